@@ -1,0 +1,17 @@
+# Shared by all stages: config validation and paths. Included first by the Snakefile.
+# Rules pass their stage exactly the config sections it reads: params: config=config_json(config, ...)
+import sys
+
+from ogspo.config import ConfigError, config_json, load_config
+
+# Validate before any rule exists: a bad config stops here with one line naming the key.
+try:
+    _validated = load_config(config)
+except ConfigError as _err:
+    sys.exit(str(_err))
+config.clear()
+config.update(_validated)
+
+RESULTS = f"results/{config['device']}"
+WORKLOADS = list(config["workloads"])
+

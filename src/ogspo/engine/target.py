@@ -1,0 +1,327 @@
+"""Target models with a preallocated KV cache and tree attention.
+
+Two backends share one interface (`TreeLM`):
+
+- `LlamaTreeLM`: a small gpt-fast-style forward for the Llama architecture (SmolLM2, Llama 2/3,
+  Mistral without sliding window) that reads the transformers weights in place. Fused QKV and
+  gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA.
+- `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D float mask and
+  explicit position ids, through transformers' own forward with a preallocated cache layer.
+
+The cache has a *committed* part (rows 0..length) and a *pending* part (rows written by forwards
+since the last commit). A forward over m new tokens attends to every committed row and to the
+pending rows its `attend` mask allows (its own ancestors in the tree). `commit(rows)` keeps the
+chosen pending rows (the accepted path) and drops the rest, without re-running the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor  # [m, vocab]
+    features: torch.Tensor | None  # [m, n_feature_layers * dim] hidden states of the chosen layers, or None
+
+
+class KVCache:
+    """Preallocated per-layer keys/values: [1, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, *, n_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
+        shape = (1, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0  # committed rows
+        self.pending = 0  # rows written since the last commit
+
+    @property
+    def end(self) -> int:
+        return self.length + self.pending
+
+    def reserve(self, m: int) -> int:
+        """Claim m new pending rows; returns their first row."""
+        start = self.end
+        if start + m > self.max_len:
+            raise ValueError(f"sequence of {start + m} tokens exceeds the cache of {self.max_len}")
+        self.pending += m
+        return start
+
+    def commit(self, rows: torch.Tensor | None) -> None:
+        """Keep pending rows `rows` (absolute, ascending) as the next committed rows; drop the rest."""
+        if rows is not None and len(rows) > 0:
+            k = len(rows)
+            first = self.length
+            contiguous = int(rows[0]) == first and int(rows[-1]) == first + k - 1
+            if not contiguous:
+                for kk, vv in zip(self.keys, self.values):
+                    kk[:, :, first : first + k] = kk[:, :, rows]  # [1, kvh, k, hd]
+                    vv[:, :, first : first + k] = vv[:, :, rows]
+            self.length += k
+        self.pending = 0
+
+    def commit_prefix(self, m: int) -> None:
+        """Make the first m pending rows committed (they are already in place)."""
+        self.length += m
+        self.pending -= m
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pending = 0
+
+
+class TreeLM:
+    """Interface of a model that runs tree forwards over a committed KV cache."""
+
+    config = None
+    vocab_size: int
+    cache: KVCache
+
+    def new_cache(self, max_len: int) -> KVCache:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [m] int64
+        positions: torch.Tensor,  # [m] int64
+        attend: torch.Tensor | None,  # [m, pending + m] bool over pending rows and the new rows; None = causal
+        *,
+        logits_rows: torch.Tensor | None = None,
+    ) -> ForwardOut:
+        raise NotImplementedError
+
+    def full_mask(self, attend: torch.Tensor | None, m: int) -> torch.Tensor | None:
+        """Boolean mask [m, committed + pending + m]: committed rows always visible."""
+        c = self.cache
+        if attend is None:
+            if m == 1:
+                return None
+            attend = torch.ones(m, c.pending + m, dtype=torch.bool).tril_(c.pending)
+        head = torch.ones(m, c.length, dtype=torch.bool)
+        return torch.cat([head, attend], dim=1)
+
+
+def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_len, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, hd]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class LlamaTreeLM(TreeLM):
+    """Tree forward for Llama-like transformers models, weights shared with the HF module."""
+
+    def __init__(
+        self, hf_model, *, max_len: int = 2048, feature_layers: tuple[int, ...] = (), n_layers: int | None = None
+    ):
+        """`n_layers` keeps only the first layers (then the final norm and LM head): an early-exit
+        self-drafter that shares the target's weights and tokenizer."""
+        cfg = hf_model.config
+        if cfg.model_type not in LLAMA_LIKE:
+            raise ValueError(f"LlamaTreeLM supports {sorted(LLAMA_LIKE)}, not '{cfg.model_type}'")
+        if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+            raise ValueError("LlamaTreeLM does not implement sliding-window attention; use backend 'hf'")
+        self.hf_model = hf_model
+        self.config = cfg
+        inner = hf_model.model
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.n_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.feature_layers = tuple(feature_layers)
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = hf_model.lm_head.weight
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers[: n_layers or len(inner.layers)]:
+                a, m = layer.self_attn, layer.mlp
+                wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+                bqkv = None
+                if a.q_proj.bias is not None:
+                    bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
+                self.layers.append(
+                    dict(
+                        ln1=layer.input_layernorm.weight,
+                        wqkv=wqkv,
+                        bqkv=bqkv,
+                        wo=a.o_proj.weight,
+                        ln2=layer.post_attention_layernorm.weight,
+                        wgu=torch.cat([m.gate_proj.weight, m.up_proj.weight], 0),
+                        wd=m.down_proj.weight,
+                    )
+                )
+        rot = inner.rotary_emb
+        self.max_len = max_len
+        self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
+        self.cache = self.new_cache(max_len)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(
+            n_layers=len(self.layers),
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.eps) * w
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
+        c = self.cache
+        m = tokens.shape[0]
+        mask = self.full_mask(attend, m)  # [m, end+m] bool or None
+        start = c.reserve(m)
+        end = start + m
+        hd, H, KV = self.head_dim, self.n_heads, self.kv_heads
+        cos = self.cos[positions][None, None]  # [1, 1, m, hd]
+        sin = self.sin[positions][None, None]
+        x = F.embedding(tokens, self.embed)  # [m, dim]
+        feats = []
+        attn_mask = None if mask is None else mask[None, None]  # [1, 1, m, end]
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["wqkv"], L["bqkv"])  # [m, (H + 2KV) * hd]
+            q = qkv[:, : H * hd].view(m, H, hd).transpose(0, 1)[None]  # [1, H, m, hd]
+            k = qkv[:, H * hd : (H + KV) * hd].view(m, KV, hd).transpose(0, 1)[None]  # [1, KV, m, hd]
+            v = qkv[:, (H + KV) * hd :].view(m, KV, hd).transpose(0, 1)[None]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            c.keys[i][:, :, start:end] = k
+            c.values[i][:, :, start:end] = v
+            o = F.scaled_dot_product_attention(
+                q, c.keys[i][:, :, :end], c.values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
+            )  # [1, H, m, hd]
+            x = x + F.linear(o[0].transpose(0, 1).reshape(m, H * hd), L["wo"])
+            h = self._rms(x, L["ln2"])
+            gu = F.linear(h, L["wgu"])  # [m, 2 * inter]
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, L["wd"])
+            if i in self.feature_layers:
+                feats.append(x)
+        h = self._rms(x, self.norm)
+        if logits_rows is not None:
+            h = h[logits_rows]
+        logits = F.linear(h, self.lm_head)  # [m, vocab]
+        return ForwardOut(logits=logits, features=torch.cat(feats, -1) if feats else None)
+
+
+class _PreallocatedLayer:
+    """A transformers cache layer that writes into our preallocated KVCache rows."""
+
+    is_sliding = False
+    is_compileable = False
+    is_initialized = True
+
+    def __init__(self, cache: KVCache, idx: int):
+        self.cache, self.idx = cache, idx
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        c = self.cache
+        m = key_states.shape[-2]
+        start = c.end - m  # rows already reserved by HFTreeLM.forward
+        c.keys[self.idx][:, :, start : c.end] = key_states
+        c.values[self.idx][:, :, start : c.end] = value_states
+        return c.keys[self.idx][:, :, : c.end], c.values[self.idx][:, :, : c.end]
+
+    def get_seq_length(self) -> int:
+        return self.cache.end
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.end + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class HFTreeLM(TreeLM):
+    """Tree forward through transformers' own modules (any architecture taking a 4-D float mask)."""
+
+    def __init__(self, hf_model, *, max_len: int = 2048, feature_layers: tuple[int, ...] = ()):
+        from transformers.cache_utils import Cache
+
+        self.hf_model = hf_model
+        self.config = cfg = hf_model.config
+        if getattr(cfg, "sliding_window", None) or getattr(cfg, "layer_types", None) and any(
+            t != "full_attention" for t in cfg.layer_types
+        ):
+            raise ValueError(
+                f"architecture '{cfg.model_type}' uses sliding-window or non-attention layers; tree attention "
+                "needs full attention with a custom 4-D mask"
+            )
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.vocab_size = cfg.vocab_size
+        self.feature_layers = tuple(feature_layers)
+        self.n_layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._Cache = Cache
+        self.max_len = max_len
+        self.cache = self.new_cache(max_len)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        kv = KVCache(
+            n_layers=self.n_layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._hf_cache = self._Cache(layers=[_PreallocatedLayer(kv, i) for i in range(self.n_layers)])
+        return kv
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
+        c = self.cache
+        m = tokens.shape[0]
+        mask = self.full_mask(attend, m)
+        if mask is None:
+            mask = torch.ones(1, c.end + 1, dtype=torch.bool)
+        c.reserve(m)
+        bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, torch.finfo(self.dtype).min)
+        out = self.hf_model.model(
+            input_ids=tokens[None],
+            attention_mask=bias[None, None],  # [1, 1, m, end]
+            position_ids=positions[None],
+            cache=self._hf_cache,
+            use_cache=True,
+            output_hidden_states=bool(self.feature_layers),
+        )
+        h = out.last_hidden_state[0]  # [m, dim]
+        if logits_rows is not None:
+            h = h[logits_rows]
+        logits = self.hf_model.lm_head(h)
+        feats = None
+        if self.feature_layers:
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], -1)
+        return ForwardOut(logits=logits, features=feats)
+
+
+def build_tree_lm(hf_model, *, backend: str = "auto", max_len: int = 2048, feature_layers=()) -> TreeLM:
+    """Wrap a transformers causal LM for tree forwards. backend: 'auto', 'llama' or 'hf'."""
+    if backend not in ("auto", "llama", "hf"):
+        raise ValueError(f"unknown backend '{backend}'; allowed: auto, llama, hf")
+    model_type = hf_model.config.model_type
+    if backend == "llama" or (backend == "auto" and model_type in LLAMA_LIKE and not getattr(hf_model.config, "sliding_window", None)):
+        return LlamaTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers)
+    return HFTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers)

@@ -1,0 +1,68 @@
+"""Named decoding methods and drafters, built over the engine (used by the CLI and later stages)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter, TreeDrafter
+from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
+from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
+from ogspo.engine.tree import Structure
+
+METHODS = ("ar", "chain", "static", "eagle")
+DRAFTERS = ("lookup", "early-exit")
+
+
+def load_structure(spec: str | Path | list) -> Structure:
+    """A structure from a list of rank paths, a JSON string of one, or a JSON file holding one."""
+    if isinstance(spec, (str, Path)):
+        text = str(spec)
+        if Path(text).is_file():
+            text = Path(text).read_text()
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"structure {str(spec)[:60]!r} is neither a JSON list of rank paths nor a JSON file") from None
+        if isinstance(spec, dict):
+            spec = spec.get("structure", spec.get("paths"))
+    if not isinstance(spec, list) or not all(isinstance(p, list) and all(isinstance(r, int) for r in p) for p in spec):
+        raise ValueError("a structure is a JSON list of rank paths, e.g. [[0], [1], [0, 0]]")
+    return Structure(spec)
+
+
+def make_policy(
+    method: str,
+    *,
+    k: int = 4,
+    structure: str | Path | list | None = None,
+    total_tokens: int = 60,
+    depth: int = 5,
+    top_k: int = 10,
+) -> TreePolicy:
+    if method == "ar":
+        return Autoregressive()
+    if method == "chain":
+        if k < 1:
+            raise ValueError(f"chain needs k >= 1, got {k}")
+        return chain(k)
+    if method == "static":
+        if structure is None:
+            raise ValueError("method 'static' needs a structure (a JSON list of rank paths or a JSON file)")
+        return StaticTree(load_structure(structure))
+    if method == "eagle":
+        return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
+    raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")
+
+
+def make_drafter(name: str, *, target_model, max_len: int, early_exit_layers: int = 6) -> TreeDrafter:
+    """`lookup`: prompt lookup (n-gram); `early-exit`: the target's first layers + its LM head."""
+    if name == "lookup":
+        return PromptLookupDrafter()
+    if name == "early-exit":
+        return LMDrafter(LlamaTreeLM(target_model, max_len=max_len, n_layers=early_exit_layers))
+    raise ValueError(f"unknown drafter '{name}'; allowed: {', '.join(DRAFTERS)}")
+
+
+def make_target(hf_model, *, max_len: int, backend: str = "auto") -> TreeLM:
+    return build_tree_lm(hf_model, backend=backend, max_len=max_len)

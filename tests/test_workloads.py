@@ -1,0 +1,95 @@
+import polars as pl
+import pytest
+
+from ogspo.workloads import (
+    RawPrompt,
+    fortune_prefix,
+    parse_fortunes,
+    prepare_workloads,
+    read_fortunes,
+    read_humaneval,
+    read_mtbench,
+    select_prompts,
+    split_ids,
+)
+
+
+def test_split_is_deterministic_disjoint_and_sized():
+    ids = [f"p{i}" for i in range(40)]
+    a = split_ids(ids, eval_fraction=0.25, seed=0, name="w")
+    b = split_ids(list(reversed(ids)), eval_fraction=0.25, seed=0, name="w")
+    assert a == b  # depends on the set of ids only
+    assert set(a) == set(ids)
+    assert sum(v == "eval" for v in a.values()) == 10
+    assert split_ids(ids, eval_fraction=0.25, seed=1, name="w") != a
+    assert split_ids(ids, eval_fraction=0.25, seed=0, name="v") != a
+
+
+def test_split_edge_sizes():
+    assert list(split_ids(["a", "b"], eval_fraction=0.01, seed=0, name="w").values()).count("eval") == 1
+    assert list(split_ids(["a", "b"], eval_fraction=0.99, seed=0, name="w").values()).count("train") == 1
+    assert set(split_ids(["a", "b"], eval_fraction=1.0, seed=0, name="w").values()) == {"eval"}
+    with pytest.raises(ValueError, match="duplicate"):
+        split_ids(["a", "a"], eval_fraction=0.5, seed=0, name="w")
+
+
+def test_select_prompts_seeded():
+    ps = [RawPrompt(str(i), "c", "t", False) for i in range(100)]
+    a = select_prompts(ps, max_prompts=10, seed=0, name="w")
+    assert a == select_prompts(ps, max_prompts=10, seed=0, name="w")
+    assert len(a) == 10 and [int(p.prompt_id) for p in a] == sorted(int(p.prompt_id) for p in a)
+    assert select_prompts(ps, max_prompts=200, seed=0, name="w") == ps
+
+
+def test_sources():
+    mt = read_mtbench()
+    assert len(mt) == 80 and all(p.chat for p in mt)
+    assert {"writing", "coding", "math"} <= {p.category for p in mt}
+    he = read_humaneval()
+    assert len(he) == 164 and he[0].prompt_id == "HumanEval/0" and he[0].text.startswith("from typing")
+    fo = read_fortunes("/usr/share/games/fortunes")
+    assert len(fo) > 1000 and all(20 <= len(p.text) <= 600 for p in fo)
+
+
+def test_fortune_parsing():
+    text = "First one.\n%\nA longer fortune here. It keeps going for a while so that there is a rest to continue.\n\t-- Someone\n%\n"
+    entries = parse_fortunes(text)
+    assert entries[0] == "First one." and len(entries) == 2
+    assert fortune_prefix(entries[0]) is None  # too short
+    assert fortune_prefix(entries[1]) == "A longer fortune here."
+
+
+def test_missing_fortunes_dir_is_one_line(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist") as info:
+        read_fortunes(tmp_path / "nope")
+    assert "\n" not in str(info.value)
+
+
+def test_prepare_workloads_with_real_tokenizer(smollm2_dir, tmp_path):
+    from ogspo.assets import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    config = {
+        "seed": 0,
+        "workloads": {
+            "mtbench": {"max_prompts": 8, "eval_fraction": 0.25, "max_prompt_tokens": 512},
+            "humaneval": {"max_prompts": 8, "eval_fraction": 0.25, "max_prompt_tokens": 512},
+            "fortunes": {"max_prompts": 8, "eval_fraction": 0.25, "max_prompt_tokens": 256,
+                         "dir": "/usr/share/games/fortunes"},
+        },
+    }
+    result = prepare_workloads(config=config, tokenizer=tok, out_dir=tmp_path / "a")
+    again = prepare_workloads(config=config, tokenizer=tok, out_dir=tmp_path / "b")
+    for t, u in zip(result.tables, again.tables):
+        df = pl.read_parquet(t.path)
+        assert df.equals(pl.read_parquet(u.path))  # deterministic
+        assert df.columns == ["workload", "prompt_id", "split", "category", "chat", "text", "prompt", "n_tokens"]
+        assert df.height == 8 and (t.n_train, t.n_eval) == (6, 2)
+        assert df["prompt_id"].n_unique() == 8
+        for row in df.iter_rows(named=True):
+            assert row["n_tokens"] == len(tok(row["prompt"], add_special_tokens=False)["input_ids"])
+    mt = pl.read_parquet(result.tables[0].path)
+    assert mt["prompt"][0].startswith("<|im_start|>") and mt["prompt"][0].endswith("<|im_start|>assistant\n")
+    he = pl.read_parquet(result.tables[1].path)
+    assert (he["prompt"] == he["text"]).all()
+    assert not list(tmp_path.glob("*/.*tmp*"))  # no temp files left behind
