@@ -15,7 +15,8 @@ RUN    := PATH="$(BIN):$$PATH"
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	# Debian's python3 needs python3-venv for `-m venv`
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV) || { apt-get install -y -qq python3-venv && python3 -m venv $(VENV); }
 	# torch first, pinned: any other version means a multi-GB download
 	$(VENV)/bin/pip install torch==2.13.0
 	$(VENV)/bin/pip install -e '.[dev]'

@@ -126,3 +126,19 @@ def test_bad_inputs_give_one_clear_line():
         SpeculativeEngine(target=build_tree_lm(model, max_len=64), policy=chain(2))
     with pytest.raises(ValueError, match="left-closed"):
         StaticTree(Structure([(0,), (2,)]))
+
+
+def test_cli_generate_rejects_unknown_method_in_one_line(capsys, tmp_path):
+    from ogspo.cli import main
+
+    assert main(["generate", "--model", str(tmp_path), "--method", "beam", "hello"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "ogspo: error: unknown method 'beam'; allowed: ar, chain, static, eagle"
+
+
+def test_cli_generate_rejects_open_structure(capsys, tmp_path):
+    from ogspo.cli import main
+
+    assert main(["generate", "--model", str(tmp_path), "--method", "static", "--structure", "[[0], [0, 1]]", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "left-closed" in err and "\n" not in err

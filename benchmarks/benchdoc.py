@@ -1,0 +1,46 @@
+"""Shared helpers of the benchmark scripts: machine description, statistics, and rewriting one
+script's own section of docs/BENCHMARKS.md (between `<!-- name:start -->` and `<!-- name:end -->`)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "BENCHMARKS.md"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def stats(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def write_section(name: str, section: str) -> None:
+    """Replace the section `name` of docs/BENCHMARKS.md (append it if absent); atomic write."""
+    start, end = markers(name)
+    body = f"{start}\n{section.strip()}\n{end}"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = head + body + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    tmp = DOC.with_name(f".{DOC.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, DOC)
