@@ -8,10 +8,18 @@ configfile: "config/default.yaml"
 
 include: "rules/common.smk"
 include: "rules/prepare.smk"
+include: "rules/calibrate.smk"
+include: "rules/records.smk"
+include: "rules/drafter.smk"
+include: "rules/solve.smk"
 
 
 rule all:
     input:
         f"{RESULTS}/model",
         expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        f"{RESULTS}/latency/latency.json",
+        f"{RESULTS}/records/summary.json",
+        f"{RESULTS}/drafter_eval/acceptance.json",
+        expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
     default_target: True

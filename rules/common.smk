@@ -15,3 +15,7 @@ config.update(_validated)
 RESULTS = f"results/{config['device']}"
 WORKLOADS = list(config["workloads"])
 
+# Input function of the latency and records stages: the trained drafter folder (rule train_drafter).
+drafter_input = lambda wildcards: f"{RESULTS}/drafter"
+# Records folder per temperature: 0 -> T0, 1.0 -> T1, 0.7 -> T0.7.
+RECORD_TEMPERATURES = [f"T{float(t):g}" for t in config["records"]["temperatures"]]

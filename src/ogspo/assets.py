@@ -178,6 +178,15 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
+def model_checksum(path: Path) -> str:
+    """The weights checksum recorded when the folder was prepared (hashed now if there is no manifest)."""
+    path = check_model_dir(path)
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        return json.loads(manifest.read_text())["checksum_sha256"]
+    return weights_checksum(path)
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 

@@ -115,6 +115,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=5, help="EAGLE-3 dynamic tree depth (method eagle)")
     p.add_argument("--top-k", type=int, default=10, help="EAGLE-3 dynamic tree top_k (method eagle)")
     p.add_argument("--early-exit-layers", type=int, default=6, help="layers of the early-exit drafter")
+    p.add_argument("--drafter-path", type=Path, help="trained head folder (drafter eagle)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache rows")
 
 
@@ -133,6 +134,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         policy_args=dict(k=args.k, structure=args.structure, total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k),
         early_exit_layers=args.early_exit_layers,
+        drafter_path=args.drafter_path,
         max_len=args.max_len,
         stream=lambda text: print(text, end="", flush=True),
     )
@@ -147,12 +149,223 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- latency, records
+
+
+def _add_model_drafter(p: argparse.ArgumentParser) -> None:
+    from ogspo.methods import DRAFTERS
+
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--drafter", required=True, help=f"drafter spec for ogspo.methods.make_drafter ({', '.join(DRAFTERS)}, ...)")
+    p.add_argument("--drafter-path", type=Path, help="drafter folder (trained drafters), passed to make_drafter as path=")
+    p.add_argument("--max-len", type=int, default=2048, help="KV cache rows")
+
+
+def _load_model_drafter(args: argparse.Namespace, *, device: str = "cpu"):
+    """(target TreeLM, drafter, model checksum, drafter id, tokenizer)."""
+    from ogspo.assets import load_target, read_manifest
+    from ogspo.methods import make_drafter, make_target
+
+    checksum = read_manifest(args.model)["checksum_sha256"]
+    model, tokenizer = load_target(args.model, device=device)
+    extra = {} if args.drafter_path is None else {"path": args.drafter_path, "target_checksum": checksum}
+    drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, **extra)
+    drafter_id = getattr(drafter, "drafter_id", None) or (
+        args.drafter if args.drafter_path is None else f"{args.drafter}:{Path(args.drafter_path).resolve().name}"
+    )
+    return make_target(model, max_len=args.max_len, drafter=drafter), drafter, checksum, drafter_id, tokenizer
+
+
+def _add_calibrate_latency(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--out-json", required=True, type=Path, help="latency.json to write")
+    p.add_argument("--out-png", type=Path, help="latency.png to write")
+
+
+def _run_calibrate_latency(args: argparse.Namespace) -> int:
+    from ogspo.calibrate import calibrate_latency, write_calibration
+
+    cfg = _load_config(args, ("latency", "seed", "torch_device"))
+    lat = cfg["latency"]
+    target, drafter, checksum, drafter_id, _ = _load_model_drafter(args, device=cfg["torch_device"])
+    cal = calibrate_latency(
+        target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
+        draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
+        meta={"model_checksum": checksum, "drafter": drafter_id},
+    )
+    write_calibration(cal, json_path=args.out_json, png_path=args.out_png)
+    m = cal.model
+    print(
+        f"latency model ({m.slope_mode} slope in L): t_verify(1, {m.contexts[0]}) {1e3 * float(m.t_verify(1, m.contexts[0])):.1f} ms, "
+        f"t_verify({m.sizes[-1]}, {m.contexts[-1]}) {1e3 * float(m.t_verify(m.sizes[-1], m.contexts[-1])):.1f} ms, "
+        f"t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_fixed {1e3 * m.fixed:.1f} ms; held-out MdAPE "
+        f"{100 * cal.mdape:.1f}% over {len(cal.validation)} shapes; {cal.seconds:.0f} s -> {args.out_json}"
+    )
+    return 0
+
+
+def _add_collect_records(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--workload-file", required=True, type=Path, help="workloads/{workload}.parquet (train split is used)")
+    p.add_argument("--temperature", required=True, type=float)
+    p.add_argument("--out", required=True, type=Path, help="folder for the shards")
+
+
+def _run_collect_records(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from ogspo.engine.tree import Structure
+    from ogspo.records import collect_records
+
+    cfg = _load_config(args, ("records", "seed", "torch_device"))
+    rc = cfg["records"]
+    tpl = rc["template"]
+    if len(tpl["widths"]) != tpl["depth"]:
+        raise ValueError(f"records.template.widths has {len(tpl['widths'])} entries, depth is {tpl['depth']}")
+    if args.temperature not in [float(t) for t in rc["temperatures"]]:
+        raise ValueError(f"temperature {args.temperature} is not among records.temperatures {rc['temperatures']}")
+    if not args.workload_file.is_file():
+        raise FileNotFoundError(f"workload file {args.workload_file} does not exist")
+    table = pl.read_parquet(args.workload_file).filter(pl.col("split") == "train").head(rc["prompts_per_workload"])
+    if table.height == 0:
+        raise ValueError(f"{args.workload_file} has no train prompts")
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, device=cfg["torch_device"])
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
+    ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
+    res = collect_records(
+        target=target, drafter=drafter, template=Structure.full(tpl["widths"]), prompts=prompts, request_ids=ids,
+        temperature=args.temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"], out_dir=args.out,
+        shard_size=rc["shard_size"], model_checksum=checksum, drafter_id=drafter_id, eos_token_id=tok.eos_token_id,
+    )
+    print(
+        f"{len(prompts)} prompts, {len(res.shards)} shards ({len(res.computed)} computed, "
+        f"{len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in {res.seconds:.0f} s -> {args.out}"
+    )
+    return 0
+
+
+def _add_summarize_records(p: argparse.ArgumentParser) -> None:
+    p.add_argument("records", nargs="+", type=Path, help="records folders ({workload}/T{temperature})")
+    p.add_argument("--model", type=Path, help="prepared model folder: refuse records of another model")
+    p.add_argument("--drafter", help="drafter id the records must carry (as written by collect-records)")
+    p.add_argument("--out-json", required=True, type=Path)
+    p.add_argument("--out-md", required=True, type=Path)
+
+
+def _run_summarize_records(args: argparse.Namespace) -> int:
+    import json
+    import os
+    from dataclasses import asdict
+
+    from ogspo.assets import read_manifest
+    from ogspo.records import load_records, summarize_records
+
+    checksum = read_manifest(args.model)["checksum_sha256"] if args.model else None
+    out, md = {}, ["# Posterior verification records", ""]
+    for d in args.records:
+        rec = load_records(d, expect_model=checksum, expect_drafter=args.drafter)
+        s = summarize_records(rec)
+        name = f"{d.parent.name}/{d.name}"
+        out[name] = asdict(s)
+        md.append(s.to_markdown(name))
+    for path, text in ((args.out_json, json.dumps(out, indent=1) + "\n"), (args.out_md, "\n".join(md))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    print(f"summarised {len(args.records)} records folders -> {args.out_json}, {args.out_md}")
+    return 0
+
+
+# ---------------------------------------------------------------- drafter
+
+
+def _add_train_drafter(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (train split is used)")
+    p.add_argument("--out", required=True, type=Path, help="drafter folder to write")
+    p.add_argument("--work", required=True, type=Path, help="folder for cached data and checkpoints (resume)")
+
+
+def _run_train_drafter(args: argparse.Namespace) -> int:
+    from ogspo.drafter.train import train_drafter
+
+    cfg = _load_config(args, ("drafter", "seed"))
+    r = train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
+                      config=cfg["drafter"], seed=cfg["seed"])
+    print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
+          f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
+    return 0
+
+
+def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--drafter", required=True, type=Path, help="trained head folder")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (eval split is used)")
+    p.add_argument("--out-json", required=True, type=Path)
+    p.add_argument("--out-md", required=True, type=Path)
+
+
+def _run_measure_drafter(args: argparse.Namespace) -> int:
+    from ogspo.drafter.measure import measure_drafter, render_markdown, write_measure
+
+    cfg = _load_config(args, ("measure_drafter", "seed"))
+    m = cfg["measure_drafter"]
+    result = measure_drafter(
+        model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
+        prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
+        temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
+        chain_depth=m["chain_depth"], seed=cfg["seed"],
+    )
+    write_measure(result, args.out_json, args.out_md)
+    print(render_markdown(result))
+    return 0
+
+
 # ---------------------------------------------------------------- registry
+
+# ---------------------------------------------------------------- solve-oracle
+
+
+def _add_solve_oracle(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--out", required=True, type=Path, help="oracle JSON to write")
+
+
+def _run_solve_oracle(args: argparse.Namespace) -> int:
+    from ogspo.calibrate import LatencyModel
+    from ogspo.records import load_records
+    from ogspo.replay import replay_cycles
+    from ogspo.solve import combine_cycles, solve_oracle, write_oracle
+
+    cfg = _load_config(args, ("solve",))
+    cycles = combine_cycles([replay_cycles(load_records(d)) for d in args.records])
+    result = solve_oracle(cycles=cycles, latency=LatencyModel.from_json(args.latency), config=cfg)
+    write_oracle(result, args.out)
+    print(
+        f"oracle: {result.throughput:.3f} tokens/s (bound {result.ratio_upper_bound:.3f}), |S| = {len(result.structure)}, "
+        f"{result.iterations} Dinkelbach iterations, {result.solve_seconds:.1f} s, {result.n_cycles} cycles in "
+        f"{result.n_groups} groups -> {args.out}"
+    )
+    return 0
+
 
 COMMANDS: dict[str, Command] = {
     "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
     "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
+    "train-drafter": Command("train the EAGLE-3-style draft head", _add_train_drafter, _run_train_drafter),
+    "measure-drafter": Command("measure the head's acceptance on eval prompts", _add_measure_drafter, _run_measure_drafter),
     "generate": Command("decode one prompt with a speculative method, streaming", _add_generate, _run_generate),
+    "calibrate-latency": Command("measure the per-device latency model", _add_calibrate_latency, _run_calibrate_latency),
+    "collect-records": Command("collect posterior verification records", _add_collect_records, _run_collect_records),
+    "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),
+    "solve-oracle": Command("posterior-optimal structure and stop depths (OGSPO step 0)", _add_solve_oracle, _run_solve_oracle),
 }
 
 

@@ -38,20 +38,26 @@ def generate_text(
     chat: bool = False,
     policy_args: dict | None = None,
     early_exit_layers: int = 6,
+    drafter_path: Path | None = None,
     max_len: int = 4096,
     stream: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     from ogspo.assets import load_target
     from ogspo.methods import make_drafter, make_policy, make_target
 
+    from ogspo.assets import model_checksum
+
     policy = make_policy(method, **(policy_args or {}))  # validate before loading the model
     model, tokenizer = load_target(model_dir)
     ids = encode_prompt(tokenizer, prompt, chat=chat)
-    target = make_target(model, max_len=max_len)
+    draft = None
+    if method != "ar":
+        draft = make_drafter(drafter, target_model=model, max_len=max_len, early_exit_layers=early_exit_layers,
+                             path=drafter_path, target_checksum=model_checksum(model_dir))
     engine = SpeculativeEngine(
-        target=target,
+        target=make_target(model, max_len=max_len, drafter=draft),
         policy=policy,
-        drafter=None if method == "ar" else make_drafter(drafter, target_model=model, max_len=max_len, early_exit_layers=early_exit_layers),
+        drafter=draft,
         temperature=temperature,
         top_p=top_p,
         eos_token_id=tokenizer.eos_token_id,

@@ -11,7 +11,7 @@ from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 
 METHODS = ("ar", "chain", "static", "eagle")
-DRAFTERS = ("lookup", "early-exit")
+DRAFTERS = ("eagle", "lookup", "early-exit")
 
 
 def load_structure(spec: str | Path | list) -> Structure:
@@ -55,8 +55,19 @@ def make_policy(
     raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")
 
 
-def make_drafter(name: str, *, target_model, max_len: int, early_exit_layers: int = 6) -> TreeDrafter:
-    """`lookup`: prompt lookup (n-gram); `early-exit`: the target's first layers + its LM head."""
+def make_drafter(
+    name: str, *, target_model, max_len: int, early_exit_layers: int = 6, path: str | Path | None = None,
+    target_checksum: str | None = None,
+) -> TreeDrafter:
+    """`eagle`: the trained EAGLE-3-style head in folder `path`; `lookup`: prompt lookup (n-gram);
+    `early-exit`: the target's first layers + its LM head."""
+    if name == "eagle":
+        if path is None:
+            raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
+        from ogspo.drafter.runtime import EagleDrafter, load_head
+
+        head, meta = load_head(Path(path), target_model=target_model, target_checksum=target_checksum)
+        return EagleDrafter(head, max_len=max_len, drafter_id=f"eagle:{meta.get('id', Path(path).name)}")
     if name == "lookup":
         return PromptLookupDrafter()
     if name == "early-exit":
@@ -64,5 +75,7 @@ def make_drafter(name: str, *, target_model, max_len: int, early_exit_layers: in
     raise ValueError(f"unknown drafter '{name}'; allowed: {', '.join(DRAFTERS)}")
 
 
-def make_target(hf_model, *, max_len: int, backend: str = "auto") -> TreeLM:
-    return build_tree_lm(hf_model, backend=backend, max_len=max_len)
+def make_target(hf_model, *, max_len: int, backend: str = "auto", drafter: TreeDrafter | None = None) -> TreeLM:
+    """The target for the engine; it also returns the hidden states a feature-fed drafter needs."""
+    layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+    return build_tree_lm(hf_model, backend=backend, max_len=max_len, feature_layers=layers)

@@ -13,7 +13,7 @@ import torch
 from .drafters import Observation, TreeDrafter
 from .policies import StopHook, TreePolicy
 from .target import TreeLM
-from .tree import ancestor_matrix
+from .tree import DraftTree, ancestor_matrix
 from .verify import CycleRandom, Verdict, cycle_seed, target_probs, verify_greedy, verify_stochastic
 
 
@@ -30,6 +30,23 @@ class CycleStats:
     @property
     def other_seconds(self) -> float:
         return self.cycle_seconds - sum(self.draft_seconds) - self.verify_seconds
+
+
+@dataclass
+class CycleTrace:
+    """Everything one cycle saw, handed to an engine's optional `cycle_observer` (records, same-trace runs)."""
+
+    request_seed: int
+    index: int  # cycle index within the request (1-based, as in cycle_seed)
+    root: int  # root token (the last committed token)
+    context_length: int  # committed KV rows before the cycle (the root is not among them)
+    drafted: DraftTree  # every drafted node
+    verified: np.ndarray  # [m] drafted-tree indices sent to verification, root first
+    tree: DraftTree  # the verified tree (rows of `logits`)
+    logits: torch.Tensor  # [m, vocab] target logits, one row per verified node
+    verdict: Verdict  # path/matches index `tree`
+    committed: list[int]  # accepted drafted tokens then the bonus token
+    stats: CycleStats
 
 
 @dataclass
@@ -70,6 +87,7 @@ class SpeculativeEngine:
         top_p: float = 1.0,
         eos_token_id: int | None = None,
         stop_hook: StopHook | None = None,
+        cycle_observer: Callable[[CycleTrace], None] | None = None,
     ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -81,6 +99,7 @@ class SpeculativeEngine:
         self.temperature, self.top_p = temperature, top_p
         self.eos_token_id = eos_token_id
         self.stop_hook = stop_hook
+        self.cycle_observer = cycle_observer  # called after every cycle (outside its timing)
 
     def _check_prompt(self, prompt: list[int], max_new_tokens: int) -> None:
         if len(prompt) == 0:
@@ -185,4 +204,25 @@ class SpeculativeEngine:
             accepted=len(committed),
             seed=seed,
         )
+        if self.cycle_observer is not None:
+            self.cycle_observer(
+                CycleTrace(
+                    request_seed=request_seed, index=index, root=root, context_length=L, drafted=draft.drafted,
+                    verified=draft.verified, tree=tree, logits=fwd.logits, verdict=verdict, committed=committed,
+                    stats=stats,
+                )
+            )
         return stats, committed
+
+    def cycle_from(self, context: list[int], root: int, *, request_seed: int, index: int) -> tuple[CycleStats, list[int]]:
+        """Run one cycle after committed `context` with root token `root`, using the random numbers of
+        cycle `index` of request `request_seed`: a same-trace execution of that recorded cycle."""
+        self._check_prompt(list(context) + [root], 1)
+        cache = self.target.cache
+        cache.reset()
+        L = len(context)
+        pre = self.target.forward(torch.tensor(context), torch.arange(L), None, logits_rows=torch.tensor([L - 1]))
+        cache.commit_prefix(L)
+        if self.drafter is not None:
+            self.drafter.begin(list(context), pre)
+        return self._cycle(int(root), request_seed, index)

@@ -203,7 +203,7 @@ class LlamaTreeLM(TreeLM):
         cos = self.cos[positions][None, None]  # [1, 1, m, hd]
         sin = self.sin[positions][None, None]
         x = F.embedding(tokens, self.embed)  # [m, dim]
-        feats = []
+        feats: dict[int, torch.Tensor] = {}
         attn_mask = None if mask is None else mask[None, None]  # [1, 1, m, end]
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
@@ -226,11 +226,12 @@ class LlamaTreeLM(TreeLM):
             g, u = gu.chunk(2, dim=-1)
             x = x + (F.silu(g) * u) @ L["wd_t"]  # [m, dim]
             if i in self.feature_layers:
-                feats.append(x)
+                feats[i] = x
         h = self._rms(x, self.norm)
         if logits_rows is not None:
             h = h[logits_rows]
-        return ForwardOut(logits=lm_head(h, self.lm_head), features=torch.cat(feats, -1) if feats else None)
+        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [m, n_feat * dim]
+        return ForwardOut(logits=lm_head(h, self.lm_head), features=features)
 
 
 class _PreallocatedLayer:

@@ -1,0 +1,76 @@
+"""Benchmark: acceptance and speed of the trained EAGLE-3-style head on held-out eval prompts.
+
+    .venv/bin/python benchmarks/bench_drafter.py --drafter results/cpu/drafter [--write]
+
+Runs `ogspo.drafter.measure.measure_drafter` (methods interleaved prompt by prompt: autoregressive,
+a top-1 chain, EAGLE-3 dynamic trees of several sizes; T=0 and T=1) and writes the table, the
+training figures from the head's metadata, and the cost of one head level to docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=REPO / "results" / "cpu" / "model")
+    ap.add_argument("--drafter", type=Path, default=REPO / "results" / "cpu" / "drafter")
+    ap.add_argument("--workloads", type=Path, default=REPO / "results" / "cpu" / "workloads")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+
+    from ogspo.drafter.measure import measure_drafter, render_markdown
+
+    res = measure_drafter(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
+                          prompts_per_workload=args.prompts, max_new_tokens=args.tokens)
+    meta = json.loads((args.drafter / "drafter.json").read_text())
+    m, tr = meta["metrics"], meta["train"]
+    best = {}
+    for f in res.figures:
+        if f.method.startswith("eagle"):
+            key = (f.workload, f.temperature)
+            if key not in best or f.tau > best[key].tau:
+                best[key] = f
+    cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_drafter.py " + " ".join(sys.argv[1:])
+    lines = [
+        "## EAGLE-3-style head on held-out prompts (`benchmarks/bench_drafter.py`)",
+        "",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
+        f"- reproduce: `{cmd.strip()}` (after `make run` has trained the head)",
+        f"- head: draft vocabulary {meta['head']['draft_vocab']}, feature layers {meta['head']['feature_layers']}, "
+        f"{tr['steps']} steps x batch {tr['batch_size']} x {tr['seq_len']} positions, TTT depth {tr['ttt_steps']}",
+        f"- training data: {m['train_tokens']} tokens (train prompts, the target's own answers, stdlib source); "
+        f"data {m['data_seconds'] / 60:.1f} min + training {m['train_seconds'] / 60:.1f} min on this CPU",
+        f"- held-out (train-split windows) top-1 agreement with the target by TTT step: {[round(a, 3) for a in m['val_top1']]}",
+        f"- {args.prompts} eval prompts per workload, {args.tokens} new tokens, methods interleaved prompt by prompt",
+        "",
+        "Best EAGLE-3 dynamic tree per workload and temperature (tau includes the bonus token):",
+        "",
+        "| workload | T | best tree | tau | speedup vs ar |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for (w, t), f in sorted(best.items()):
+        lines.append(f"| {w} | {t:g} | {f.method} | {f.tau:.2f} | {f.speedup:.2f}x |")
+    lines += ["", "All methods:", "", render_markdown(res)]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section("bench_drafter", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

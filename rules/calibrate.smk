@@ -1,0 +1,26 @@
+# Stage: per-device latency model (DESIGN §4): t_verify table over tree size x context length,
+# t_draft over frontier width, t_fixed from real engine cycles; held-out validation error.
+
+
+rule calibrate_latency:
+    input:
+        model=f"{RESULTS}/model",
+        drafter=drafter_input,
+    output:
+        json=f"{RESULTS}/latency/latency.json",
+        png=f"{RESULTS}/latency/latency.png",
+    params:
+        config=config_json(config, "latency", "seed", "torch_device"),
+    log:
+        f"{RESULTS}/logs/calibrate_latency.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/calibrate_latency.tsv"
+    threads: 2
+    resources:
+        mem_mb=6000,
+        runtime=30,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo calibrate-latency --config-json {params.config:q} --model {input.model}"
+        " --drafter eagle --drafter-path {input.drafter} --out-json {output.json} --out-png {output.png} > {log} 2>&1"

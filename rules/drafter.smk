@@ -1,0 +1,53 @@
+# Stage 2: train the EAGLE-3-style draft head on the train split (and the target's own answers),
+# then measure its acceptance on the held-out eval prompts.
+
+
+rule train_drafter:
+    input:
+        model=f"{RESULTS}/model",
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+    output:
+        directory(f"{RESULTS}/drafter"),
+    params:
+        config=config_json(config, "drafter", "seed"),
+        workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
+        work_dir=f"{RESULTS}/work/drafter",
+    log:
+        f"{RESULTS}/logs/train_drafter.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/train_drafter.tsv"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo train-drafter --config-json {params.config:q} --model {input.model}"
+        " --workloads {params.workloads_dir} --out {output} --work {params.work_dir} > {log} 2>&1"
+
+
+rule measure_drafter:
+    input:
+        model=f"{RESULTS}/model",
+        drafter=f"{RESULTS}/drafter",
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+    output:
+        json=f"{RESULTS}/drafter_eval/acceptance.json",
+        md=f"{RESULTS}/drafter_eval/acceptance.md",
+    params:
+        config=config_json(config, "measure_drafter", "seed"),
+        workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
+    log:
+        f"{RESULTS}/logs/measure_drafter.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/measure_drafter.tsv"
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo measure-drafter --config-json {params.config:q} --model {input.model} --drafter {input.drafter}"
+        " --workloads {params.workloads_dir} --out-json {output.json} --out-md {output.md} > {log} 2>&1"

@@ -1,0 +1,401 @@
+"""Stage `calibrate_latency`: the per-device latency model of DESIGN §4, measured on real shapes.
+
+- t_verify(n, L): one target tree forward of n tree tokens (root included, ancestor mask of a bushy
+  tree) over a KV cache holding L committed tokens, through the engine's own code path
+  (`target.forward`, then `target.cache.commit(None)` to drop the pending rows). Stored as a table
+  of medians over n x L; the model is piecewise linear in n (between table sizes) and linear in L
+  (per-size or global slope, whichever predicts the table better by leave-one-L-out).
+- t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
+  drafting state (request begun, root expanded); the drafter state is discarded between
+  repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
+- t_fixed: per-cycle overhead from real `SpeculativeEngine` cycles (cycle - draft - verify, median).
+
+    t_cycle(level_widths, n, L) = sum_l t_draft(w_l) + t_verify(n, L) + t_fixed
+
+Shapes are timed in a shuffled, interleaved order after a warm-up, each `reps` times; medians are
+kept. Held-out shapes (n and L outside the table) give the validation error (MdAPE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ogspo.engine.drafters import TreeDrafter
+from ogspo.engine.target import TreeLM
+from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix
+
+SCHEMA_VERSION = 1
+# Rank-path order of the bushy trees timed for t_verify: the first n-1 nodes of this template in
+# (depth, rank path) order are ancestor-closed, so any n up to its size is a realistic tree.
+BUSHY_TEMPLATE = Structure.full([8, 4, 3, 2, 2, 2, 1, 1])
+HELD_OUT_SIZES = (5, 11, 20, 40, 80)
+HELD_OUT_CONTEXTS = (256, 600)
+
+
+def _interp(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise linear through (xs, ys), linearly extrapolated from the end segments."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(xs) == 1:
+        return np.full_like(x, ys[0], dtype=np.float64)
+    y = np.interp(x, xs, ys)
+    lo = x < xs[0]
+    hi = x > xs[-1]
+    if lo.any():
+        y = np.where(lo, ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0]), y)
+    if hi.any():
+        y = np.where(hi, ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), y)
+    return y
+
+
+@dataclass
+class LatencyModel:
+    """Plain data + methods. Times in seconds. Vectorised: n, L and w may be numpy arrays."""
+
+    sizes: list[int]  # n of the t_verify table (tree tokens, root included)
+    contexts: list[int]  # L of the t_verify table
+    verify_table: list[list[float]]  # [len(sizes)][len(contexts)] medians
+    verify_intercept: list[float]  # a(n) per table size: t_verify(n, L) = a(n) + b(n) * L
+    verify_slope: list[float]  # b(n) per table size (all equal when slope_mode == "global")
+    slope_mode: str  # "per-size" or "global"
+    draft_widths: list[int]
+    draft_table: list[float]  # medians per width
+    fixed: float  # t_fixed
+    meta: dict = field(default_factory=dict)  # model checksum, drafter id, device, torch version, ...
+
+    def t_verify(self, n, L):
+        xs = np.asarray(self.sizes, dtype=np.float64)
+        a = _interp(n, xs, np.asarray(self.verify_intercept))
+        b = _interp(n, xs, np.asarray(self.verify_slope))
+        return a + b * np.asarray(L, dtype=np.float64)
+
+    def t_draft(self, w):
+        w = np.asarray(w, dtype=np.float64)
+        xs = np.concatenate([[0.0], np.asarray(self.draft_widths, dtype=np.float64)])
+        ys = np.concatenate([[0.0], np.asarray(self.draft_table)])
+        return np.where(w <= 0, 0.0, _interp(w, xs, ys))
+
+    def t_cycle(self, level_widths, n_verify, L):
+        """DESIGN §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed (level_widths: frontier widths)."""
+        draft = float(np.sum(self.t_draft(np.asarray(list(level_widths), dtype=np.float64)))) if len(level_widths) else 0.0
+        return draft + self.t_verify(n_verify, L) + self.fixed
+
+    # ---- JSON
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(
+        cls, data: dict | str | Path, *, expect_model: str | None = None, expect_drafter: str | None = None
+    ) -> "LatencyModel":
+        """From a dict or a latency.json path (the file may hold {"model": {...}, ...} as written by
+        `write_calibration`). Refuses wrong keys and a file for another model checksum or drafter id."""
+        src = "latency model"
+        if isinstance(data, (str, Path)):
+            src = str(data)
+            try:
+                data = json.loads(Path(data).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"latency model {src}: unreadable ({exc.__class__.__name__}: {exc})") from None
+        if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):
+            data = data["model"]
+        if not isinstance(data, dict):
+            raise ValueError(f"{src}: not a JSON object")
+        data = dict(data)
+        version = data.pop("schema_version", None)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"{src}: schema version {version!r}, expected {SCHEMA_VERSION}")
+        want = set(cls.__dataclass_fields__)
+        if set(data) != want:
+            missing, extra = sorted(want - set(data)), sorted(set(data) - want)
+            raise ValueError(f"{src}: wrong keys (missing {missing}, unexpected {extra})")
+        model = cls(**data)
+        if len(model.verify_table) != len(model.sizes) or any(len(r) != len(model.contexts) for r in model.verify_table):
+            raise ValueError(f"{src}: verify_table shape does not match sizes x contexts")
+        if len(model.draft_table) != len(model.draft_widths) or len(model.verify_slope) != len(model.sizes):
+            raise ValueError(f"{src}: table lengths do not match their axes")
+        got_model, got_drafter = model.meta.get("model_checksum"), model.meta.get("drafter")
+        if expect_model is not None and got_model != expect_model:
+            raise ValueError(
+                f"{src}: calibrated for model {str(got_model)[:16]}..., not {expect_model[:16]}... (recalibrate)"
+            )
+        if expect_drafter is not None and got_drafter != expect_drafter:
+            raise ValueError(f"{src}: calibrated for drafter '{got_drafter}', not '{expect_drafter}' (recalibrate)")
+        return model
+
+
+def fit_verify(sizes: list[int], contexts: list[int], table: np.ndarray) -> tuple[list[float], list[float], str]:
+    """Intercepts/slopes in L per size; per-size vs global slope chosen by leave-one-L-out error."""
+    Ls = np.asarray(contexts, dtype=np.float64)
+    table = np.asarray(table, dtype=np.float64)  # [S, C]
+
+    def fit(cols: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+        x, y = Ls[cols], table[:, cols]  # [c], [S, c]
+        if len(cols) == 1:
+            return y[:, 0], np.zeros(len(sizes))
+        xc = x - x.mean()
+        if mode == "per-size":
+            b = (y - y.mean(1, keepdims=True)) @ xc / (xc @ xc)  # [S]
+        else:
+            b = np.full(len(sizes), float(((y - y.mean(1, keepdims=True)) @ xc).sum() / (len(sizes) * (xc @ xc))))
+        return y.mean(1) - b * x.mean(), b
+
+    best = None
+    for mode in ("per-size", "global"):
+        errs = []
+        if len(contexts) >= 3:
+            for out in range(len(contexts)):
+                cols = np.array([c for c in range(len(contexts)) if c != out])
+                a, b = fit(cols, mode)
+                errs.append(np.abs(a + b * Ls[out] - table[:, out]) / table[:, out])
+        score = float(np.median(np.concatenate(errs))) if errs else 0.0
+        if best is None or score < best[0] - 1e-12:
+            best = (score, mode)
+    a, b = fit(np.arange(len(contexts)), best[1])
+    return [float(v) for v in a], [float(v) for v in b], best[1]
+
+
+@dataclass
+class LatencyCalibration:
+    model: LatencyModel
+    validation: list[dict]  # held-out shapes: {"n", "L", "measured", "predicted", "ape"}
+    mdape: float  # median absolute percentage error on held-out shapes (fraction, 0.05 = 5%)
+    fixed_samples: list[float]
+    seconds: float  # wall time of the calibration
+
+
+def bushy_tree(n: int, context_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(positions [n], attend [n, n] ancestor mask or None, depths) of a bushy tree of n nodes."""
+    if n < 1 or n - 1 > len(BUSHY_TEMPLATE):
+        raise ValueError(f"tree size {n} outside 1..{len(BUSHY_TEMPLATE) + 1}")
+    paths = [()] + BUSHY_TEMPLATE.to_list()[: n - 1]
+    index = {tuple(p): i for i, p in enumerate(paths)}
+    parents = np.array([-1] + [index[tuple(p[:-1])] for p in paths[1:]], dtype=np.int64)
+    depths = np.array([len(p) for p in paths], dtype=np.int64)
+    attend = None if n == 1 else torch.from_numpy(ancestor_matrix(parents, depths))  # [n, n]
+    return torch.from_numpy(context_length + depths), attend, depths
+
+
+def _sync(device) -> None:
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device_name(device) -> str:
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def _time_verify(target: TreeLM, n: int, L: int, rng: np.random.Generator) -> float:
+    positions, attend, _ = bushy_tree(n, L)
+    tokens = torch.from_numpy(rng.integers(0, target.vocab_size, n))  # [n]
+    cache = target.cache
+    cache.length, cache.pending = L, 0  # the committed rows hold a real prefix (see _fill_cache)
+    dev = getattr(target, "device", "cpu")
+    _sync(dev)
+    t0 = time.perf_counter()
+    target.forward(tokens, positions, attend)
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    cache.commit(None)
+    return dt
+
+
+def _fill_cache(target: TreeLM, L: int, seed: int) -> None:
+    """Write L real committed rows (a random-token prefill) so timings read real cache contents."""
+    rng = np.random.default_rng(seed)
+    cache = target.cache
+    cache.reset()
+    toks = torch.from_numpy(rng.integers(0, target.vocab_size, L))
+    for s in range(0, L, 256):  # chunked prefill keeps the mask small
+        e = min(L, s + 256)
+        target.forward(toks[s:e], torch.arange(s, e), None, logits_rows=torch.tensor([e - s - 1]))
+        cache.commit_prefix(e - s)
+
+
+def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.random.Generator) -> dict[tuple, float]:
+    """Median over `reps` of fn(*shape), shapes interleaved in a shuffled order each round."""
+    for _ in range(warmup):
+        for s in shapes:
+            fn(*s)
+    samples: dict[tuple, list[float]] = {s: [] for s in shapes}
+    for _ in range(reps):
+        order = rng.permutation(len(shapes))
+        for i in order:
+            samples[shapes[i]].append(fn(*shapes[i]))
+    return {s: float(np.median(v)) for s, v in samples.items()}
+
+
+def calibrate_latency(
+    *,
+    target: TreeLM,
+    drafter: TreeDrafter,
+    tree_sizes: list[int],
+    context_lengths: list[int],
+    draft_widths: list[int],
+    reps: int,
+    warmup: int,
+    seed: int,
+    held_out_sizes: tuple[int, ...] = HELD_OUT_SIZES,
+    held_out_contexts: tuple[int, ...] = HELD_OUT_CONTEXTS,
+    fixed_cycles: int = 12,
+    meta: dict | None = None,
+) -> LatencyCalibration:
+    """Measure the latency model of DESIGN §4 on this device (see the module docstring)."""
+    from ogspo.engine.decode import SpeculativeEngine
+    from ogspo.engine.policies import StaticTree
+
+    t_start = time.perf_counter()
+    sizes, contexts, widths = sorted(set(tree_sizes)), sorted(set(context_lengths)), sorted(set(draft_widths))
+    if not sizes or not contexts or not widths or reps < 1 or warmup < 0:
+        raise ValueError("calibration needs tree sizes, context lengths, draft widths and reps >= 1")
+    if sizes[0] < 1 or widths[0] < 1:
+        raise ValueError("tree sizes and draft widths must be >= 1")
+    held_sizes = [n for n in held_out_sizes if n not in sizes and n <= sizes[-1]]
+    held_ctx = [L for L in held_out_contexts if L not in contexts]
+    max_L = max(contexts + held_ctx)
+    if max_L + sizes[-1] > target.cache.max_len:
+        raise ValueError(f"context {max_L} + tree {sizes[-1]} exceeds the target cache of {target.cache.max_len} rows")
+    rng = np.random.default_rng(seed)
+    _fill_cache(target, max_L, seed)
+    filled = target.cache.length
+
+    # ---- t_verify table and held-out shapes, interleaved
+    grid = [(n, L) for n in sizes for L in contexts]
+    held = [(n, L) for n in held_sizes for L in held_ctx]
+    verify = _measure_grid(
+        lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng
+    )
+    target.cache.length, target.cache.pending = filled, 0
+    table = np.array([[verify[(n, L)] for L in contexts] for n in sizes])  # [S, C]
+    a, b, mode = fit_verify(sizes, contexts, table)
+
+    # ---- t_draft(w): frontier of w depth-1 nodes of a real drafting state
+    prompt_len = min(contexts[0], 128)
+    prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
+    target.cache.reset()
+    pre = target.forward(torch.tensor(prompt), torch.arange(prompt_len), None, logits_rows=torch.tensor([prompt_len - 1]))
+    target.cache.commit_prefix(prompt_len)
+    kmax = max(widths)
+    dev = getattr(target, "device", "cpu")
+
+    def time_draft(w: int) -> float:
+        drafter.begin(list(prompt), pre)  # discards any pending drafter state of the previous rep
+        tree = DraftTree.from_root(int(prompt[-1]))
+        exp = drafter.expand(tree, np.zeros(1, dtype=np.int64), kmax)
+        toks = exp.tokens[0]
+        toks = np.where(toks < 0, rng.integers(0, target.vocab_size, kmax), toks)  # model-free drafters may run short
+        kids = tree.add_children(
+            parents=np.zeros(kmax, dtype=np.int64), tokens=toks, ranks=np.arange(kmax),
+            logq=np.zeros(kmax), entropy=np.zeros(kmax),
+        )
+        _sync(dev)
+        t0 = time.perf_counter()
+        drafter.expand(tree, kids[:w], kmax)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    draft = _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng)
+
+    # ---- t_fixed from real engine cycles
+    struct = Structure.full([2, 2, 1])
+    engine = SpeculativeEngine(target=target, policy=StaticTree(struct), drafter=drafter)
+    res = engine.generate(prompt, max_new_tokens=fixed_cycles * 2 + 1, seed=seed)
+    fixed_samples = [c.other_seconds for c in res.cycles]
+    fixed = float(np.median(fixed_samples)) if fixed_samples else 0.0
+
+    info = {
+        "device": _device_name(dev),
+        "torch": torch.__version__,
+        "reps": reps,
+        "warmup": warmup,
+        "seed": seed,
+        **(meta or {}),
+    }
+    model = LatencyModel(
+        sizes=sizes, contexts=contexts, verify_table=table.tolist(), verify_intercept=a, verify_slope=b,
+        slope_mode=mode, draft_widths=widths, draft_table=[draft[(w,)] for w in widths], fixed=fixed, meta=info,
+    )
+    validation = []
+    for n, L in held:
+        pred = float(model.t_verify(n, L))
+        validation.append({"n": n, "L": L, "measured": verify[(n, L)], "predicted": pred, "ape": abs(pred - verify[(n, L)]) / verify[(n, L)]})
+    mdape = float(np.median([v["ape"] for v in validation])) if validation else float("nan")
+    model.meta["validation_mdape"] = mdape
+    target.cache.reset()
+    return LatencyCalibration(
+        model=model, validation=validation, mdape=mdape, fixed_samples=fixed_samples, seconds=time.perf_counter() - t_start
+    )
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_calibration(cal: LatencyCalibration, *, json_path: Path, png_path: Path | None = None) -> None:
+    """latency.json ({"model", "validation", "mdape", ...}) and, optionally, the latency.png plot."""
+    doc = {
+        "model": cal.model.to_json(),
+        "validation": cal.validation,
+        "mdape": cal.mdape,
+        "fixed_samples": cal.fixed_samples,
+        "seconds": cal.seconds,
+    }
+    _atomic_write(Path(json_path), (json.dumps(doc, indent=1) + "\n").encode())
+    if png_path is not None:
+        plot_calibration(cal, png_path=Path(png_path))
+
+
+def plot_calibration(cal: LatencyCalibration, *, png_path: Path, dpi: int = 80) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = cal.model
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ns = np.arange(1, max(m.sizes) + 1)
+    Ls = sorted(set(m.contexts) | {v["L"] for v in cal.validation})
+    for i, L in enumerate(Ls):
+        color = f"C{i}"
+        ax1.plot(ns, 1e3 * m.t_verify(ns, L), "-", color=color, lw=1, label=f"model L={L}")
+        if L in m.contexts:
+            j = m.contexts.index(L)
+            ax1.plot(m.sizes, 1e3 * np.asarray(m.verify_table)[:, j], "o", color=color, ms=3)
+        pts = [v for v in cal.validation if v["L"] == L]
+        if pts:
+            ax1.plot([v["n"] for v in pts], [1e3 * v["measured"] for v in pts], "x", color=color, ms=6)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("tree tokens n (root included)")
+    ax1.set_ylabel("t_verify (ms)")
+    ax1.set_title(f"verify: table (o), held-out (x), MdAPE {100 * cal.mdape:.1f}%", fontsize=9)
+    ax1.legend(fontsize=7)
+    ws = np.arange(1, max(m.draft_widths) + 1)
+    ax2.plot(m.draft_widths, 1e3 * np.asarray(m.draft_table), "o", ms=3, label="measured")
+    ax2.plot(ws, 1e3 * m.t_draft(ws), "-", lw=1, label="model")
+    ax2.set_xlabel("frontier width w")
+    ax2.set_ylabel("t_draft (ms)")
+    ax2.set_title(f"draft level ({m.meta.get('drafter', '?')}); t_fixed {1e3 * m.fixed:.1f} ms", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png_path.with_name(f".{png_path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, png_path)

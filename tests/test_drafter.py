@@ -1,0 +1,83 @@
+"""EAGLE-3-style head: training-time-test attention equals what drafting does, the drafter is
+lossless in the engine, and a head for another target is refused."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine_helpers import hf_greedy, tiny_model
+from ogspo.drafter.head import EagleHead, HeadConfig
+from ogspo.drafter.runtime import META, WEIGHTS, EagleDrafter, load_head
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.policies import DynamicTree, StaticTree, chain
+from ogspo.engine.target import ForwardOut, build_tree_lm
+from ogspo.engine.tree import DraftTree, Structure
+
+
+def make_head(target, seed=0, draft_vocab=48) -> EagleHead:
+    torch.manual_seed(seed)
+    cfg = HeadConfig.for_target(target, draft_vocab=draft_vocab)
+    d2t = torch.arange(draft_vocab) + (target.config.vocab_size - draft_vocab)  # a non-trivial map
+    head = EagleHead(cfg, embed=target.model.embed_tokens.weight, lm_rows=target.lm_head.weight[d2t], d2t=d2t)
+    for p in head.parameters():
+        p.data.normal_(0, 0.3)
+    return head.eval()
+
+
+def test_ttt_steps_match_drafting():
+    """Step 1 of training at position t = the root's expansion; step 2 at t+1 = its child's expansion."""
+    target = tiny_model(0).float()
+    head = make_head(target)
+    D = head.cfg.hidden
+    g = torch.Generator().manual_seed(0)
+    n, t = 12, 7
+    tokens = torch.randint(0, 64, (n,), generator=g)
+    feats3 = torch.randn(n, 3 * D, generator=g)
+    with torch.no_grad():
+        train_logits = head.forward_train(feats3[None, : n - 1], tokens[None, 1:], steps=2)
+    drafter = EagleDrafter(head, max_len=64)
+    drafter.begin(tokens[: t + 1].tolist(), ForwardOut(logits=torch.zeros(1), features=feats3[: t + 1]))
+    tree = DraftTree.from_root(int(tokens[t + 1]))
+    exp = drafter.expand(tree, np.array([0]), 5)
+    ref1 = torch.log_softmax(train_logits[0][0, t], -1).topk(5)
+    np.testing.assert_allclose(exp.logq[0], ref1.values.double().numpy(), atol=1e-4)
+    assert exp.tokens[0].tolist() == head.d2t[ref1.indices].tolist()
+    tree.add_children(parents=np.array([0]), tokens=np.array([int(tokens[t + 2])]), ranks=np.array([0]),
+                      logq=np.zeros(1), entropy=np.zeros(1))
+    exp2 = drafter.expand(tree, np.array([1]), 5)
+    ref2 = torch.log_softmax(train_logits[1][0, t + 1], -1).topk(5)
+    np.testing.assert_allclose(exp2.logq[0], ref2.values.double().numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle_drafter_is_lossless_and_replayable(temperature):
+    target_model = tiny_model(0)
+    head = make_head(target_model.float(), draft_vocab=64)
+    target_model = target_model.double()
+    prompt = [5, 9, 13, 2, 7, 3, 3, 40]
+    runs = []
+    for policy in [chain(3), DynamicTree(total_tokens=10, depth=4, top_k=3), StaticTree(Structure.full([2, 2, 1]))]:
+        drafter = EagleDrafter(head, max_len=256)
+        engine = SpeculativeEngine(target=build_tree_lm(target_model, max_len=256, feature_layers=drafter.feature_layers),
+                                   policy=policy, drafter=drafter, temperature=temperature)
+        res = engine.generate(prompt, max_new_tokens=30, seed=5)
+        if temperature == 0:
+            assert res.tokens == hf_greedy(target_model, prompt, 30), policy.name
+        again = engine.generate(prompt, max_new_tokens=30, seed=5)
+        assert again.tokens == res.tokens
+        runs.append(res.tokens)
+
+
+def test_head_for_another_target_is_refused(tmp_path):
+    target = tiny_model(0).float()
+    head = make_head(target)
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / WEIGHTS))
+    (tmp_path / META).write_text(json.dumps({"target_checksum": "abc123", "head": head.cfg.to_dict()}))
+    load_head(tmp_path, target_model=target, target_checksum="abc123")
+    with pytest.raises(ValueError, match="was trained for target"):
+        load_head(tmp_path, target_model=target, target_checksum="ffff0000")
+    with pytest.raises(ValueError, match="expects a target with vocab"):
+        load_head(tmp_path, target_model=tiny_model(0, vocab=80).float(), target_checksum=None)

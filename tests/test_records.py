@@ -1,0 +1,297 @@
+"""Latency model, posterior records, replay: tiny float64 models (fast)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from engine_helpers import tiny_model
+from ogspo.calibrate import LatencyModel, bushy_tree, calibrate_latency, write_calibration
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.policies import StaticTree
+from ogspo.engine.target import LlamaTreeLM, build_tree_lm
+from ogspo.engine.tree import Structure
+from ogspo.records import collect_records, load_records, summarize_records, template_index
+from ogspo.replay import ReplayCycles, accepted_lengths, cycle_times, replay, replay_cycles, structure_mask
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
+TEMPLATE = Structure.full([3, 2, 2])
+TIMING = ["draft_seconds", "verify_seconds", "cycle_seconds"]
+
+
+def _setup(max_len=256):
+    target = build_tree_lm(tiny_model(0), max_len=max_len)
+    # early-exit drafter: the target's first layer, so acceptance is neither ~0 nor ~1
+    drafter = LMDrafter(LlamaTreeLM(tiny_model(0), max_len=max_len, n_layers=1))
+    return target, drafter
+
+
+def _collect(out, *, temperature=0.0, shard_size=2, prompts=PROMPTS, template=TEMPLATE, seed=0, model="m" * 64):
+    target, drafter = _setup()
+    return collect_records(
+        target=target, drafter=drafter, template=template, prompts=prompts, temperature=temperature, seed=seed,
+        max_new_tokens=14, out_dir=out, shard_size=shard_size, model_checksum=model, drafter_id="ee1",
+    )
+
+
+def _model(**over):
+    m = dict(
+        sizes=[1, 4, 16], contexts=[100, 200], verify_table=[[1.0, 2.0], [2.0, 3.0], [4.0, 6.0]],
+        verify_intercept=[0.0, 1.0, 2.0], verify_slope=[0.01, 0.01, 0.02], slope_mode="per-size",
+        draft_widths=[1, 4], draft_table=[0.5, 1.0], fixed=0.1, meta={"model_checksum": "abc", "drafter": "d"},
+    )
+    m.update(over)
+    return LatencyModel(**m)
+
+
+# ---------------------------------------------------------------- latency model
+
+
+def test_latency_model_interpolates_and_round_trips(tmp_path):
+    m = _model()
+    assert float(m.t_verify(1, 100)) == pytest.approx(1.0)
+    # between table sizes: piecewise linear in a(n) and b(n)
+    a10, b10 = 1.0 + 0.5 * 1.0, 0.01 + 0.5 * 0.01
+    assert float(m.t_verify(10, 300)) == pytest.approx(a10 + b10 * 300)
+    assert float(m.t_draft(0)) == 0.0 and float(m.t_draft(2)) == pytest.approx(0.5 + 0.5 / 3)
+    assert m.t_cycle([1, 4], 16, 100) == pytest.approx(0.5 + 1.0 + 4.0 + 0.1)
+    np.testing.assert_allclose(m.t_verify(np.array([1, 4]), np.array([100, 200])), [1.0, 3.0])
+    f = tmp_path / "latency.json"
+    f.write_text(json.dumps({"model": m.to_json()}))
+    assert LatencyModel.from_json(f, expect_model="abc", expect_drafter="d") == m
+    with pytest.raises(ValueError, match="calibrated for model"):
+        LatencyModel.from_json(f, expect_model="xyz")
+    with pytest.raises(ValueError, match="calibrated for drafter 'd'"):
+        LatencyModel.from_json(f, expect_drafter="eagle")
+    bad = m.to_json()
+    bad["typo"] = 1
+    with pytest.raises(ValueError, match="wrong keys"):
+        LatencyModel.from_json(bad)
+
+
+def test_bushy_tree_is_a_tree():
+    pos, attend, depths = bushy_tree(20, 7)
+    assert attend.shape == (20, 20) and bool(attend.diagonal().all()) and int(pos[0]) == 7
+    assert depths.max() >= 2 and (depths == 1).sum() >= 4  # bushy, not a chain
+
+
+def test_calibrate_latency_runs_and_writes(tmp_path):
+    target, drafter = _setup(max_len=512)
+    cal = calibrate_latency(
+        target=target, drafter=drafter, tree_sizes=[1, 2, 4, 8, 16], context_lengths=[32, 64, 128],
+        draft_widths=[1, 2, 4], reps=2, warmup=1, seed=0, held_out_sizes=(3, 11), held_out_contexts=(48,),
+        fixed_cycles=3, meta={"model_checksum": "abc", "drafter": "ee1"},
+    )
+    m = cal.model
+    assert np.asarray(m.verify_table).shape == (5, 3) and len(m.draft_table) == 3 and m.fixed >= 0
+    assert len(cal.validation) == 2 and np.isfinite(cal.mdape)
+    write_calibration(cal, json_path=tmp_path / "latency.json", png_path=tmp_path / "latency.png")
+    assert (tmp_path / "latency.png").stat().st_size > 1000
+    assert LatencyModel.from_json(tmp_path / "latency.json", expect_model="abc", expect_drafter="ee1").sizes == [1, 2, 4, 8, 16]
+
+
+# ---------------------------------------------------------------- engine hook
+
+
+def test_cycle_observer_and_cycle_from_match_generate():
+    target, drafter = _setup()
+    traces = []
+    engine = SpeculativeEngine(target=target, policy=StaticTree(TEMPLATE), drafter=drafter, temperature=1.0,
+                               cycle_observer=traces.append)
+    res = engine.generate(PROMPTS[0], max_new_tokens=12, seed=5)
+    assert [t.stats for t in traces] == res.cycles
+    engine.cycle_observer = None
+    done = [res.tokens[0]]
+    for t in traces:
+        assert t.context_length == len(PROMPTS[0]) + len(done) - 1 and t.root == done[-1]
+        assert len(t.tree) == len(TEMPLATE) + 1 and t.logits.shape[0] == len(t.tree)
+        again, committed = engine.cycle_from(PROMPTS[0] + done[:-1], done[-1], request_seed=5, index=t.index)
+        assert committed == t.committed and again.seed == t.stats.seed
+        done += t.committed
+    assert done[: len(res.tokens)] == res.tokens
+
+
+# ---------------------------------------------------------------- records
+
+
+def test_records_round_trip_and_summary(tmp_path):
+    r = _collect(tmp_path / "r", temperature=1.0)
+    assert r.computed == [0, 1] and len(r.shards) == 2
+    rec = load_records(tmp_path / "r", expect_model="m" * 64, expect_drafter="ee1", expect_template=TEMPLATE)
+    assert rec.cycles.height == r.n_cycles and rec.nodes.height == r.n_cycles * len(TEMPLATE)
+    assert rec.cycles["request_id"].unique().sort().to_list() == ["p0", "p1", "p2"]
+    # the accepted path is the chain of matched nodes, in template ids
+    tidx = template_index(TEMPLATE)
+    for row in rec.cycles.iter_rows(named=True):
+        nodes = rec.nodes.filter((pl.col("request_id") == row["request_id"]) & (pl.col("cycle") == row["cycle"]))
+        matched = nodes.filter(pl.col("match")).sort("depth")["tnode"].to_list()
+        assert matched == row["accepted_tnodes"]
+        assert row["accepted_length"] == len(matched) + 1 == len(row["committed"])
+        assert [tidx[tuple(int(x) for x in p.split("."))] for p in row["accepted_paths"]] == matched
+    assert np.all(rec.nodes["target_logp"].to_numpy() <= 0)
+    s = summarize_records(rec)
+    assert s.n_cycles == rec.cycles.height and s.tau == pytest.approx(rec.cycles["accepted_length"].mean())
+    assert 0 <= s.off_top1 <= 1 and "| depth |" in s.to_markdown("x")
+
+
+def test_records_refuse_corrupt_and_foreign(tmp_path):
+    _collect(tmp_path / "r")
+    with pytest.raises(ValueError, match="is for model"):
+        load_records(tmp_path / "r", expect_model="x" * 64)
+    with pytest.raises(ValueError, match="is for drafter"):
+        load_records(tmp_path / "r", expect_drafter="eagle")
+    with pytest.raises(ValueError, match="another template"):
+        load_records(tmp_path / "r", expect_template=Structure.full([3, 2]))
+    f = tmp_path / "r" / "shard-0001.cycles.parquet"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_records(tmp_path / "r")
+    f.unlink()
+    with pytest.raises(ValueError, match="incomplete shard"):
+        load_records(tmp_path / "r")
+    pl.DataFrame({"a": [1]}).write_parquet(f)  # a parquet file without our metadata
+    with pytest.raises(ValueError, match="no 'ogspo_records' metadata"):
+        load_records(tmp_path / "r")
+
+
+def test_records_deterministic_and_resumable(tmp_path):
+    a = _collect(tmp_path / "a", temperature=1.0, shard_size=1)
+    _collect(tmp_path / "b", temperature=1.0, shard_size=1)
+    ra, rb = load_records(tmp_path / "a"), load_records(tmp_path / "b")
+    assert ra.nodes.equals(rb.nodes)
+    assert ra.cycles.drop(TIMING).equals(rb.cycles.drop(TIMING))
+    assert a.computed == [0, 1, 2]
+    d = tmp_path / "a"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    (d / "shard-0001.cycles.parquet").unlink()
+    again = _collect(d, temperature=1.0, shard_size=1)
+    assert again.computed == [1]
+    for name in ("shard-0000.cycles.parquet", "shard-0002.nodes.parquet"):
+        assert (d / name).stat().st_mtime_ns == mtimes[name]
+    assert load_records(d).cycles.drop(TIMING).equals(ra.cycles.drop(TIMING))
+    # different settings (another seed) are not "complete": everything is recomputed
+    assert _collect(d, temperature=1.0, shard_size=1, seed=1).computed == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- replay
+
+
+SUBS = [
+    TEMPLATE,
+    Structure.chain(3),
+    Structure([(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 1)]),
+    Structure([(0,), (1,), (2,), (0, 0), (0, 1), (2, 0), (2, 0, 0)]),
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replay_equals_reality(tmp_path, temperature):
+    """Replay equals reality, exactly, for every recorded cycle, sub-structure S and stop depth d.
+
+    Each recorded cycle c of a request is re-run for real as one engine cycle (`cycle_from`) from the
+    same committed context and root token, with the same cycle random numbers (request seed, cycle
+    index), drafting `StaticTree(S.up_to(d))`. Its committed length must equal A_c(S, d) from the
+    records, and its accepted drafted tokens must be the first A_c - 1 tokens committed in the
+    record. At T=0 the bonus token matches too (the target argmax after the same text); at T>0 only
+    under S_{<=d} = T, since the bonus is drawn from the residual left by the end node's children
+    in S, which differ from T's. Re-running single cycles from the
+    recorded contexts avoids comparing whole generations, whose contexts diverge at T > 0.
+    """
+    _collect(tmp_path / "r", temperature=temperature, shard_size=3)
+    rec = load_records(tmp_path / "r")
+    cyc = replay_cycles(rec)
+    depths = [1, 2, 3]
+    res = replay(cycles=cyc, structures=[S for S in SUBS for _ in depths], depths=np.array(depths * len(SUBS)))
+    assert res.accepted.max() >= 3 and res.accepted.min() == 1  # the check covers short and long acceptances
+    target, drafter = _setup()
+    n_checked = 0
+    for k, (S, d) in enumerate((S, d) for S in SUBS for d in depths):
+        engine = SpeculativeEngine(target=target, policy=StaticTree(S.up_to(d)), drafter=drafter, temperature=temperature)
+        out: dict[str, list[int]] = {}
+        for c, row in enumerate(rec.cycles.iter_rows(named=True)):
+            prompt = PROMPTS[int(row["request_id"][1:])]
+            done = out.setdefault(row["request_id"], [row["root_token"]])
+            assert row["context_length"] == len(prompt) + len(done) - 1
+            stats, committed = engine.cycle_from(prompt + done[:-1], done[-1], request_seed=row["request_seed"], index=row["cycle"])
+            A = int(res.accepted[k, c])
+            assert stats.accepted == A, (S, d, row["request_id"], row["cycle"])
+            assert committed[: A - 1] == row["committed"][: A - 1]
+            if temperature == 0 or S.up_to(d).paths == TEMPLATE.paths:
+                assert committed == row["committed"][:A]
+            done += row["committed"]
+            n_checked += 1
+    assert n_checked == len(SUBS) * len(depths) * rec.cycles.height
+
+
+def _random_structure(rng, T: Structure) -> Structure:
+    keep = set()
+    for p in T.to_list():
+        p = tuple(p)
+        parent_ok = len(p) == 1 or p[:-1] in keep
+        sib_ok = p[-1] == 0 or p[:-1] + (p[-1] - 1,) in keep
+        if parent_ok and sib_ok and rng.random() < 0.7:
+            keep.add(p)
+    return Structure(keep or {(0,)})
+
+
+def test_replay_vectorised_matches_naive_loop():
+    rng = np.random.default_rng(0)
+    T = Structure.full([4, 3, 2, 2, 1])
+    tl = [tuple(p) for p in T.to_list()]
+    tidx = template_index(T)
+    C = 300
+    paths = np.full((C, T.max_depth), len(T) + 1, dtype=np.int64)
+    walks = []
+    for c in range(C):
+        p, walk = (), []
+        for _ in range(rng.integers(0, T.max_depth + 1)):
+            kids = [q for q in tl if len(q) == len(p) + 1 and q[:-1] == p]
+            p = kids[rng.integers(len(kids))]
+            walk.append(p)
+        walks.append(walk)
+        paths[c, : len(walk)] = [tidx[q] for q in walk]
+    L = rng.integers(10, 900, C).astype(np.float64)
+    node_depth = np.array([0] + [len(p) for p in tl] + [T.max_depth + 1])
+    cyc = ReplayCycles(template=T, paths=paths, context_lengths=L, node_depth=node_depth)
+    structs = [_random_structure(rng, T) for _ in range(20)]
+    depths = rng.integers(0, T.max_depth + 1, len(structs))
+    m = _model(sizes=[1, 8, 32, 128], contexts=[0, 1], verify_table=[[1, 1]] * 4,
+               verify_intercept=[0.04, 0.1, 0.15, 0.3], verify_slope=[1e-5, 2e-5, 3e-5, 5e-5])
+    res = replay(cycles=cyc, structures=structs, depths=depths, model=m)
+    for k, (S, d) in enumerate(zip(structs, depths)):
+        Sd = S.up_to(int(d)) if d > 0 else None
+        widths = []
+        for lvl in range(1, int(d) + 1):
+            widths.append(len({p[:-1] for p in S.paths if len(p) == lvl}))
+        n = (len(Sd) if Sd is not None else 0) + 1
+        for c in range(C):
+            k_in = 0
+            for q in walks[c]:
+                if q not in S or len(q) > d:
+                    break
+                k_in += 1
+            assert res.accepted[k, c] == 1 + k_in
+            assert res.seconds[k, c] == pytest.approx(m.t_cycle(widths, n, L[c]), rel=1e-12)
+    # masks: root always in, padding never
+    mask = structure_mask(structs[0], T)
+    assert mask[0] and not mask[-1]
+    assert accepted_lengths(mask[None], paths, np.array([0])).max() == 1
+    assert cycle_times(mask[None], T, np.array([0]), L[:2], m).shape == (1, 2)
+
+
+def test_cli_summarize_records(tmp_path):
+    from ogspo.cli import build_parser, main
+
+    _collect(tmp_path / "mtbench" / "T0")
+    rc = main(["summarize-records", str(tmp_path / "mtbench" / "T0"), "--drafter", "ee1",
+               "--out-json", str(tmp_path / "s.json"), "--out-md", str(tmp_path / "s.md")])
+    assert rc == 0
+    assert json.loads((tmp_path / "s.json").read_text())["mtbench/T0"]["n_requests"] == 3
+    assert main(["summarize-records", str(tmp_path / "mtbench" / "T0"), "--drafter", "eagle",
+                 "--out-json", str(tmp_path / "s.json"), "--out-md", str(tmp_path / "s.md")]) == 2
+    args = build_parser().parse_args(["collect-records", "--config-json", "{}", "--model", "m", "--drafter", "eagle",
+                                      "--drafter-path", "d", "--workload-file", "w.parquet", "--temperature", "1", "--out", "o"])
+    assert args.drafter_path == Path("d") and args.temperature == 1.0
