@@ -12,6 +12,7 @@ include: "rules/calibrate.smk"
 include: "rules/records.smk"
 include: "rules/drafter.smk"
 include: "rules/solve.smk"
+include: "rules/policy.smk"
 
 
 rule all:
@@ -22,4 +23,5 @@ rule all:
         f"{RESULTS}/records/summary.json",
         f"{RESULTS}/drafter_eval/acceptance.json",
         expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
+        expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
     default_target: True

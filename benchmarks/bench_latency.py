@@ -21,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import REPO, cpu_model, write_section  # noqa: E402
 
 
+NOTE = "A first run with torch's default 2 threads, while both cores were taken by other processes, was\npathological (OpenMP contention: t_verify(1) ~2.3 s, held-out errors up to 500%); this run used\n`--threads 1`. Rerun on an idle machine with the default threads before trusting the absolute numbers."
+
+
 def main() -> None:
     from ogspo.assets import load_target, read_manifest
     from ogspo.calibrate import calibrate_latency, plot_calibration
@@ -62,6 +65,7 @@ SmolLM2-135M-Instruct (float32) target, `{args.drafter}` drafter; {reps} reps, {
 shuffled interleaved shapes; calibration took {cal.seconds:.0f} s. **The machine was busy** (another
 session was training a drafter; 1-min load average {load:.1f} at the start on 2 cores), so absolute
 times are inflated and noisier than on an idle machine.
+{NOTE if args.threads else ""}
 
 **Held-out MdAPE of t_verify: {100 * cal.mdape:.1f}%** (target <= 10%) over {len(cal.validation)} shapes
 not in the table; slope in L: {m.slope_mode}; t_fixed {1e3 * m.fixed:.1f} ms;

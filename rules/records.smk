@@ -1,5 +1,7 @@
 # Stage: posterior verification records (DESIGN §3): per workload and temperature, draft and
 # verify the whole template T every cycle; resumable parquet shards. Then a summary.
+# The declared output is a completion flag, not the folder: Snakemake deletes a job's outputs
+# before (re)running it, and the shards already written must survive an interrupted run.
 
 
 rule collect_records:
@@ -8,11 +10,12 @@ rule collect_records:
         drafter=drafter_input,
         workload=f"{RESULTS}/workloads/{{workload}}.parquet",
     output:
-        directory(f"{RESULTS}/records/{{workload}}/T{{temperature}}"),
+        f"{RESULTS}/records/{{workload}}/T{{temperature}}/complete.flag",
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
         config=config_json(config, "records", "seed", "torch_device"),
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{RESULTS}/logs/collect_records/{{workload}}-T{{temperature}}.log",
     threads: 2
@@ -24,16 +27,18 @@ rule collect_records:
     shell:
         "ogspo collect-records --config-json {params.config:q} --model {input.model}"
         " --drafter eagle --drafter-path {input.drafter} --workload-file {input.workload}"
-        " --temperature {wildcards.temperature} --out {output} > {log} 2>&1"
+        " --temperature {wildcards.temperature} --out {params.out_dir} > {log} 2>&1 && touch {output}"
 
 
 rule summarize_records:
     input:
         model=f"{RESULTS}/model",
-        records=expand(f"{RESULTS}/records/{{workload}}/{{tag}}", workload=WORKLOADS, tag=RECORD_TEMPERATURES),
+        flags=expand(f"{RESULTS}/records/{{workload}}/{{tag}}/complete.flag", workload=WORKLOADS, tag=RECORD_TEMPERATURES),
     output:
         json=f"{RESULTS}/records/summary.json",
         md=f"{RESULTS}/records/summary.md",
+    params:
+        dirs=lambda wildcards, input: [os.path.dirname(f) for f in input.flags],
     log:
         f"{RESULTS}/logs/summarize_records.log",
     threads: 1
@@ -43,5 +48,5 @@ rule summarize_records:
     conda:
         "../envs/torch.yaml"
     shell:
-        "ogspo summarize-records {input.records} --model {input.model} --out-json {output.json}"
+        "ogspo summarize-records {params.dirs} --model {input.model} --out-json {output.json}"
         " --out-md {output.md} > {log} 2>&1"

@@ -111,6 +111,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--k", type=int, default=4, help="chain length (method chain)")
     p.add_argument("--structure", help="rank paths as JSON, or a JSON file (method static)")
+    p.add_argument("--policy", type=Path, help="policy folder with policy.onnx + structure.json (method ogspo)")
     p.add_argument("--total-tokens", type=int, default=60, help="EAGLE-3 dynamic tree size (method eagle)")
     p.add_argument("--depth", type=int, default=5, help="EAGLE-3 dynamic tree depth (method eagle)")
     p.add_argument("--top-k", type=int, default=10, help="EAGLE-3 dynamic tree top_k (method eagle)")
@@ -132,7 +133,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         chat=args.chat,
-        policy_args=dict(k=args.k, structure=args.structure, total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k),
+        policy_args=dict(k=args.k, structure=args.structure, total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k,
+                         policy_path=args.policy),
         early_exit_layers=args.early_exit_layers,
         drafter_path=args.drafter_path,
         max_len=args.max_len,
@@ -356,6 +358,34 @@ def _run_solve_oracle(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- train-policy
+
+
+def _add_train_policy(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--oracle", required=True, type=Path, help="oracle JSON (its structure is kept fixed)")
+    p.add_argument("--out", required=True, type=Path, help="policy folder to write (policy.onnx, structure.json, train.json, train.md)")
+
+
+def _run_train_policy(args: argparse.Namespace) -> int:
+    from ogspo.policy import run_train_policy
+
+    cfg = _load_config(args, ("policy", "seed"))
+    r = run_train_policy(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle,
+                         out_dir=args.out, config=cfg["policy"], seed=cfg["seed"])
+    tr, ho = r.train.train, r.train.holdout
+    held = f", held-out {ho.throughput:.3f} vs best fixed {ho.best_fixed_throughput:.3f}" if ho else ""
+    oracle = f", oracle {r.oracle_throughput:.3f}" if r.oracle_throughput is not None else ""
+    print(
+        f"policy: J {tr.throughput:.3f} tokens/s on {tr.n_cycles} train cycles (best fixed depth {tr.best_fixed_depth}: "
+        f"{tr.best_fixed_throughput:.3f}, posterior bound {tr.posterior_bound:.3f}{oracle}){held}; "
+        f"features {r.features_seconds:.1f} s, training {r.train.seconds:.1f} s -> {args.out}"
+    )
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
     "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
@@ -366,6 +396,7 @@ COMMANDS: dict[str, Command] = {
     "collect-records": Command("collect posterior verification records", _add_collect_records, _run_collect_records),
     "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),
     "solve-oracle": Command("posterior-optimal structure and stop depths (OGSPO step 0)", _add_solve_oracle, _run_solve_oracle),
+    "train-policy": Command("train the OGSPO stop policy and export it to ONNX", _add_train_policy, _run_train_policy),
 }
 
 

@@ -54,8 +54,11 @@ def generate_text(
     if method != "ar":
         draft = make_drafter(drafter, target_model=model, max_len=max_len, early_exit_layers=early_exit_layers,
                              path=drafter_path, target_checksum=model_checksum(model_dir))
+    target = make_target(model, max_len=max_len, drafter=draft)
+    if hasattr(policy, "bind"):  # policies with a stop hook that reads the committed context (ogspo)
+        policy.bind(target)
     engine = SpeculativeEngine(
-        target=make_target(model, max_len=max_len, drafter=draft),
+        target=target,
         policy=policy,
         drafter=draft,
         temperature=temperature,

@@ -10,7 +10,7 @@ from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreeP
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 
-METHODS = ("ar", "chain", "static", "eagle")
+METHODS = ("ar", "chain", "static", "eagle", "ogspo")
 DRAFTERS = ("eagle", "lookup", "early-exit")
 
 
@@ -39,6 +39,8 @@ def make_policy(
     total_tokens: int = 60,
     depth: int = 5,
     top_k: int = 10,
+    policy_path: str | Path | None = None,
+    policy_device: str = "cpu",
 ) -> TreePolicy:
     if method == "ar":
         return Autoregressive()
@@ -52,7 +54,41 @@ def make_policy(
         return StaticTree(load_structure(structure))
     if method == "eagle":
         return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
+    if method == "ogspo":
+        return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device)
     raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")
+
+
+class OgspoTree(StaticTree):
+    """OGSPO: the learned structure S drafted level by level, with the exported policy head (ONNX) as
+    the stop hook evaluated after every level. `bind(target)` before decoding (the hook reads the
+    committed context length from the target's cache)."""
+
+    def __init__(self, structure: Structure, hook):
+        super().__init__(structure, name="ogspo")
+        self.hook = hook
+
+    def bind(self, target: TreeLM) -> "OgspoTree":
+        self.hook.bind(target)
+        return self
+
+    def draft(self, drafter, root, *, stop_hook=None):
+        return super().draft(drafter, root, stop_hook=stop_hook if stop_hook is not None else self.hook)
+
+
+def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu") -> OgspoTree:
+    """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
+    folder's structure.json (it must equal the structure the policy was trained for)."""
+    if policy_path is None:
+        raise ValueError("method 'ogspo' needs a policy folder (--policy DIR with policy.onnx and structure.json)")
+    from ogspo.export import load_policy_dir
+
+    S, hook = load_policy_dir(Path(policy_path), device=device)
+    if structure is not None:
+        given = load_structure(structure)
+        if given.paths != S.paths:
+            raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
+    return OgspoTree(S, hook)
 
 
 def make_drafter(

@@ -12,7 +12,7 @@ import torch
 
 from .drafters import Observation, TreeDrafter
 from .policies import StopHook, TreePolicy
-from .target import TreeLM
+from .target import ForwardOut, TreeLM
 from .tree import DraftTree, ancestor_matrix
 from .verify import CycleRandom, Verdict, cycle_seed, target_probs, verify_greedy, verify_stochastic
 
@@ -132,14 +132,9 @@ class SpeculativeEngine:
         """Generate up to `max_new_tokens` tokens after `prompt` (stops after EOS)."""
         self._check_prompt(prompt, max_new_tokens)
         t_start = time.perf_counter()
-        target, cache = self.target, self.target.cache
-        cache.reset()
         L = len(prompt)
-        pre = target.forward(torch.tensor(prompt), torch.arange(L), None, logits_rows=torch.tensor([L - 1]))
-        cache.commit_prefix(L)
+        pre = self._prefill(prompt)
         out = [self._first_token(pre.logits[0], seed)]
-        if self.drafter is not None:
-            self.drafter.begin(list(prompt), pre)
         prefill_s = time.perf_counter() - t_start
         if on_tokens:
             on_tokens(out[:])
@@ -218,11 +213,17 @@ class SpeculativeEngine:
         """Run one cycle after committed `context` with root token `root`, using the random numbers of
         cycle `index` of request `request_seed`: a same-trace execution of that recorded cycle."""
         self._check_prompt(list(context) + [root], 1)
+        self._prefill(list(context))
+        return self._cycle(int(root), request_seed, index)
+
+    def _prefill(self, prompt: list[int]) -> ForwardOut:
+        """Fill the target cache with the prompt and begin the drafter; returns the target's output
+        (logits of the last position, features of every position)."""
         cache = self.target.cache
         cache.reset()
-        L = len(context)
-        pre = self.target.forward(torch.tensor(context), torch.arange(L), None, logits_rows=torch.tensor([L - 1]))
+        L = len(prompt)
+        pre = self.target.forward(torch.tensor(prompt), torch.arange(L), None, logits_rows=torch.tensor([L - 1]))
         cache.commit_prefix(L)
         if self.drafter is not None:
-            self.drafter.begin(list(context), pre)
-        return self._cycle(int(root), request_seed, index)
+            self.drafter.begin(list(prompt), pre)
+        return pre
