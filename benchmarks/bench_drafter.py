@@ -29,13 +29,21 @@ def main() -> int:
     ap.add_argument("--workloads", type=Path, default=REPO / "results" / "cpu" / "workloads")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--from-json", type=Path, help="render a measurement the workflow already made "
+                    "(results/cpu/drafter_eval/acceptance.json) instead of measuring again")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
-    from ogspo.drafter.measure import measure_drafter, render_markdown
+    from ogspo.drafter.measure import MeasureResult, MethodFigures, measure_drafter, render_markdown
 
-    res = measure_drafter(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
-                          prompts_per_workload=args.prompts, max_new_tokens=args.tokens)
+    if args.from_json:
+        d = json.loads(args.from_json.read_text())
+        res = MeasureResult(figures=[MethodFigures(**f) for f in d["figures"]],
+                            expand_ms={int(k): v for k, v in d["expand_ms"].items()}, seconds=d["seconds"])
+        args.prompts, args.tokens = d.get("prompts_per_workload", args.prompts), d.get("max_new_tokens", args.tokens)
+    else:
+        res = measure_drafter(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
+                              prompts_per_workload=args.prompts, max_new_tokens=args.tokens)
     meta = json.loads((args.drafter / "drafter.json").read_text())
     m, tr = meta["metrics"], meta["train"]
     best = {}

@@ -4,7 +4,7 @@
 
 rule solve_oracle:
     input:
-        records=expand(f"{RESULTS}/records/{{workload}}/T{{{{temperature}}}}", workload=WORKLOADS),
+        records=expand(f"{RESULTS}/records/{{workload}}/T{{{{temperature}}}}/complete.flag", workload=WORKLOADS),
         latency=f"{RESULTS}/latency/latency.json",
     output:
         f"{RESULTS}/solve/oracle_T{{temperature}}.json",
@@ -12,6 +12,7 @@ rule solve_oracle:
         temperature=r"[0-9.]+",
     params:
         config=config_json(config, "solve"),
+        records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
         f"{RESULTS}/logs/solve_oracle/T{{temperature}}.log",
     benchmark:
@@ -23,5 +24,5 @@ rule solve_oracle:
     conda:
         "../envs/torch.yaml"
     shell:
-        "ogspo solve-oracle --config-json {params.config:q} --records {input.records}"
+        "ogspo solve-oracle --config-json {params.config:q} --records {params.records}"
         " --latency {input.latency} --out {output} > {log} 2>&1"

@@ -37,6 +37,8 @@ class MeasureResult:
     figures: list[MethodFigures]
     expand_ms: dict[int, float]  # median ms of one head level over w frontier nodes
     seconds: float
+    prompts_per_workload: int = 0
+    max_new_tokens: int = 0
 
     def best_tree(self, workload: str, temperature: float) -> MethodFigures:
         rows = [f for f in self.figures if f.workload == workload and f.temperature == temperature and f.method.startswith("eagle")]
@@ -135,11 +137,13 @@ def measure_drafter(
     bar.close()
     first = next(iter(prompts.values()))[0]
     expand_ms = time_expand(drafter, first, target)
-    return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start)
+    return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
+                         prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens)
 
 
 def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
-    data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds}
+    data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
+            "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens}
     for path, text in [(out_json, json.dumps(data, indent=1)), (out_md, render_markdown(result))]:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
