@@ -255,3 +255,20 @@ def test_train_policy_cli(tiny_records, tmp_path):
     assert report["train"]["throughput"] <= report["train"]["posterior_bound"] + 1e-9
     S, pol = load_policy_dir(tmp_path / "pol")
     assert S.to_list() == oracle.structure and pol.structure.paths == S.paths
+
+
+def test_empty_oracle_structure_means_autoregressive(tmp_path):
+    """When the oracle keeps no node (drafting never pays), the stage writes an empty policy and the
+    ogspo method decodes autoregressively instead of failing."""
+    import json
+
+    from ogspo.methods import make_policy
+    from ogspo.policy import run_train_policy
+
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"structure": [], "throughput": 25.0}))
+    r = run_train_policy(records_dirs=[], latency_path=tmp_path / "unused.json", oracle_path=oracle,
+                         out_dir=tmp_path / "policy", config=None, seed=0)
+    assert r.train is None and json.loads((tmp_path / "policy" / "train.json").read_text())["autoregressive"]
+    policy = make_policy("ogspo", policy_path=tmp_path / "policy")
+    assert policy.max_nodes == 1 and policy.name == "ogspo"

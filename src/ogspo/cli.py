@@ -375,6 +375,9 @@ def _run_train_policy(args: argparse.Namespace) -> int:
     cfg = _load_config(args, ("policy", "seed"))
     r = run_train_policy(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle,
                          out_dir=args.out, config=cfg["policy"], seed=cfg["seed"])
+    if r.train is None:
+        print(f"policy: none trained, the oracle's structure is empty (autoregressive decoding is best) -> {args.out}")
+        return 0
     tr, ho = r.train.train, r.train.holdout
     held = f", held-out {ho.throughput:.3f} vs best fixed {ho.best_fixed_throughput:.3f}" if ho else ""
     oracle = f", oracle {r.oracle_throughput:.3f}" if r.oracle_throughput is not None else ""

@@ -173,8 +173,9 @@ class OnnxPolicy:
         return stop
 
 
-def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, OnnxPolicy]:
-    """(structure, ONNX policy) of a policy folder; the two must agree."""
+def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None"]:
+    """(structure, ONNX policy) of a policy folder; the two must agree. An empty structure (the
+    oracle chose autoregressive decoding) comes without a policy."""
     from ogspo.methods import load_structure
 
     path = Path(path)
@@ -183,6 +184,8 @@ def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, Onnx
     if not (path / STRUCTURE_FILE).is_file():
         raise FileNotFoundError(f"policy folder {path} has no {STRUCTURE_FILE}")
     structure = load_structure(path / STRUCTURE_FILE)
+    if len(structure) == 0:  # the oracle chose not to draft: no head was trained
+        return structure, None
     policy = OnnxPolicy(path / POLICY_FILE, device=device)
     if policy.structure is not None and policy.structure.paths != structure.paths:
         raise ValueError(f"policy folder {path}: {STRUCTURE_FILE} differs from the structure the policy was trained for")

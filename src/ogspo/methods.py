@@ -76,7 +76,7 @@ class OgspoTree(StaticTree):
         return super().draft(drafter, root, stop_hook=stop_hook if stop_hook is not None else self.hook)
 
 
-def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu") -> OgspoTree:
+def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu") -> TreePolicy:
     """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
     folder's structure.json (it must equal the structure the policy was trained for)."""
     if policy_path is None:
@@ -84,6 +84,10 @@ def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list |
     from ogspo.export import load_policy_dir
 
     S, hook = load_policy_dir(Path(policy_path), device=device)
+    if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
+        ar = Autoregressive()
+        ar.name = "ogspo"
+        return ar
     if structure is not None:
         given = load_structure(structure)
         if given.paths != S.paths:

@@ -467,7 +467,7 @@ def combine_data(parts: list[PolicyData]) -> PolicyData:
 @dataclass
 class PolicyStageResult:
     out_dir: Path
-    train: PolicyTrainResult
+    train: PolicyTrainResult | None  # None when the oracle chose not to draft at all (empty structure)
     oracle_throughput: float | None
     export_seconds: float
     features_seconds: float
@@ -496,8 +496,17 @@ def run_train_policy(
         S = Structure(oracle["structure"])
     except (json.JSONDecodeError, KeyError, TypeError):
         raise ValueError(f"oracle {oracle_path} is not an oracle JSON written by solve-oracle") from None
-    if len(S) == 0:
-        raise ValueError(f"the oracle's structure in {oracle_path} is empty: there is nothing to draft or stop")
+    if len(S) == 0:  # the oracle found no tree worth verifying: the policy is "never draft"
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_structure(S, out_dir / STRUCTURE_FILE)
+        reason = ("the oracle's structure is empty: on this device and temperature no draft tree beats "
+                  "autoregressive decoding on these records, so the ogspo method decodes autoregressively")
+        report = {"autoregressive": True, "reason": reason, "oracle_throughput": oracle.get("throughput")}
+        _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
+        _write_text(out_dir / "train.md", f"No policy trained: {reason}.\n")
+        return PolicyStageResult(out_dir=out_dir, train=None, oracle_throughput=oracle.get("throughput"),
+                                 export_seconds=0.0, features_seconds=0.0)
     latency = LatencyModel.from_json(latency_path)
     t0 = time.perf_counter()
     parts = [offline_states(records=load_records(Path(d)), structure=S, latency=latency) for d in records_dirs]
