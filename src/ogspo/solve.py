@@ -677,6 +677,13 @@ def _best_depths(A: np.ndarray, T: np.ndarray, dmin: int, tol: float = 1e-12) ->
         lam = new
 
 
+def _checked_template_info(cycles: ReplayCycles, template: Structure | None):
+    """The records' template info, after checking it is the template the caller expects."""
+    if template is not None and template.paths != cycles.template.paths:
+        raise ValueError(f"records template ({len(cycles.template)} nodes) differs from the given template ({len(template)} nodes)")
+    return template_info(cycles.template)
+
+
 def solve_oracle(
     *,
     cycles: ReplayCycles,
@@ -686,9 +693,7 @@ def solve_oracle(
 ) -> OracleResult:
     """Posterior-optimal structure and per-group stop depths (DESIGN §5 step 0) by Dinkelbach + SCIP."""
     cfg = solve_settings(config)
-    if template is not None and template.paths != cycles.template.paths:
-        raise ValueError(f"records template ({len(cycles.template)} nodes) differs from the given template ({len(template)} nodes)")
-    info = template_info(cycles.template)
+    info = _checked_template_info(cycles, template)
     groups = group_cycles(cycles=cycles, latency=latency, context_buckets=int(cfg["context_buckets"]))
     dmin, D = _depth_range(info, int(cfg["min_depth"]), cfg["max_depth"])
     enc = build_oracle_milp(groups=groups, info=info, latency=latency, min_depth=dmin, max_depth=D)
@@ -787,9 +792,7 @@ def solve_structure(
 ) -> StructureResult:
     """Structure update (DESIGN §5): S maximising the stop-probability-weighted ratio, policy fixed."""
     cfg = solve_settings(config)
-    if template is not None and template.paths != cycles.template.paths:
-        raise ValueError(f"records template ({len(cycles.template)} nodes) differs from the given template ({len(template)} nodes)")
-    info = template_info(cycles.template)
+    info = _checked_template_info(cycles, template)
     enc = build_structure_milp(cycles=cycles, info=info, latency=latency, stop_probs=stop_probs)
 
     def evaluate(vals: np.ndarray) -> tuple[float, float]:
