@@ -677,6 +677,14 @@ def _best_depths(A: np.ndarray, T: np.ndarray, dmin: int, tol: float = 1e-12) ->
         lam = new
 
 
+def _dinkelbach_with(cfg: dict, enc, start, evaluate):
+    """Dinkelbach iterations on an encoded MIFP with the solver settings of the config."""
+    return dinkelbach(
+        enc.milp, start=start, evaluate=evaluate, time_limit=float(cfg["time_limit"]), mip_gap=float(cfg["mip_gap"]),
+        tol=float(cfg["dinkelbach_tol"]), max_iterations=int(cfg["max_iterations"]),
+    )
+
+
 def _checked_template_info(cycles: ReplayCycles, template: Structure | None):
     """The records' template info, after checking it is the template the caller expects."""
     if template is not None and template.paths != cycles.template.paths:
@@ -720,10 +728,7 @@ def solve_oracle(
 
     start = _start_values(enc, info, start_S, start_d, groups)
     t0 = time.perf_counter()
-    vals, lam, trace = dinkelbach(
-        enc.milp, start=start, evaluate=evaluate, time_limit=float(cfg["time_limit"]), mip_gap=float(cfg["mip_gap"]),
-        tol=float(cfg["dinkelbach_tol"]), max_iterations=int(cfg["max_iterations"]),
-    )
+    vals, lam, trace = _dinkelbach_with(cfg, enc, start, evaluate)
     seconds = time.perf_counter() - t0
     S = _structure_of(enc, info, vals)
     depths = _depths_of(enc, vals)
@@ -808,10 +813,7 @@ def solve_structure(
             best_S, best_r = S, a / t
     start = _start_values(enc, info, best_S, None, None)
     t0 = time.perf_counter()
-    vals, lam, trace = dinkelbach(
-        enc.milp, start=start, evaluate=evaluate, time_limit=float(cfg["time_limit"]), mip_gap=float(cfg["mip_gap"]),
-        tol=float(cfg["dinkelbach_tol"]), max_iterations=int(cfg["max_iterations"]),
-    )
+    vals, lam, trace = _dinkelbach_with(cfg, enc, start, evaluate)
     seconds = time.perf_counter() - t0
     S = _structure_of(enc, info, vals)
     num, den = replay_expected_totals(cycles=cycles, structure=S, stop_probs=stop_probs, latency=latency)

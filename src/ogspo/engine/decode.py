@@ -14,7 +14,15 @@ from .drafters import Observation, TreeDrafter
 from .policies import StopHook, TreePolicy
 from .target import ForwardOut, TreeLM
 from .tree import DraftTree, ancestor_matrix
-from .verify import CycleRandom, Verdict, cycle_seed, target_probs, verify_greedy, verify_stochastic
+from .verify import (
+    CycleRandom,
+    Verdict,
+    cycle_seed,
+    sample_inverse_cdf,
+    target_probs,
+    verify_greedy,
+    verify_stochastic,
+)
 
 
 @dataclass
@@ -118,8 +126,7 @@ class SpeculativeEngine:
         if self.temperature == 0:
             return int(logits.argmax())
         p = target_probs(logits[None], temperature=self.temperature, top_p=self.top_p)[0]
-        u = CycleRandom.from_seed(cycle_seed(seed, 0)).bonus[0]
-        return int(torch.searchsorted(p.cumsum(0), torch.tensor([u], dtype=p.dtype)).clamp(max=p.shape[0] - 1))
+        return sample_inverse_cdf(p, CycleRandom.from_seed(cycle_seed(seed, 0)).bonus[0])
 
     def generate(
         self,

@@ -87,7 +87,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     return Verdict(path=path, bonus=int(argmax[deepest]), matches=matches)
 
 
-def _sample(p: torch.Tensor, u: float) -> int:
+def sample_inverse_cdf(p: torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from probability vector p with uniform u."""
     cdf = p.cumsum(0)
     idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())
@@ -114,7 +114,7 @@ def verify_stochastic(
                 break
             p[x] = 0.0  # residual: drop the rejected token, renormalisation is implicit
         if accepted < 0:
-            return Verdict(path=path, bonus=_sample(p, rand.bonus[depth]), matches=matches)
+            return Verdict(path=path, bonus=sample_inverse_cdf(p, rand.bonus[depth]), matches=matches)
         matches[accepted] = True
         path.append(accepted)
         cur = accepted
