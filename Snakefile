@@ -13,6 +13,8 @@ include: "rules/records.smk"
 include: "rules/drafter.smk"
 include: "rules/solve.smk"
 include: "rules/policy.smk"
+include: "rules/baselines.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:
@@ -24,4 +26,8 @@ rule all:
         f"{RESULTS}/drafter_eval/acceptance.json",
         expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
+        expand(f"{RESULTS}/ablation/policy_only/{{tag}}", tag=RECORD_TEMPERATURES),
+        expand(f"{RESULTS}/sequoia/{{tag}}", tag=RECORD_TEMPERATURES),
+        expand(f"{RESULTS}/routing/{{tag}}", tag=RECORD_TEMPERATURES),
+        f"{RESULTS}/report/summary.json",
     default_target: True

@@ -1,25 +1,83 @@
-# Stage: OGSPO policy update (DESIGN §5): with the oracle's structure S fixed, learn the stop policy
-# head from all workloads' records at one temperature (backward induction on net gains), evaluate the
-# surrogate throughput against fixed depths and the oracle, and export it to ONNX.
+# Stage: OGSPO (DESIGN §5) from all workloads' records at one temperature.
+# - ogspo_rounds: from the oracle's structure, alternate policy updates (backward induction) and structure
+#   updates (SCIP), each candidate policy checked by same-trace executions (the real engine, target and
+#   drafter re-running record cycles with their random numbers) and accepted only if its corrected J
+#   improves; rounds.parquet/png/json, same_trace.parquet, the final head policy.pt and structure.json.
+# - export_policy: that head as the policy folder the `ogspo` method reads (policy.onnx, structure.json,
+#   export.json; an empty structure exports autoregressive decoding).
+# - train_policy_only: the policy-only ablation, the head trained with the full records template as
+#   structure (no structure optimisation), exported the same way.
 # Records are complete when their folder's complete.flag exists (rules/records.smk).
 
 
-rule train_policy:
+rule ogspo_rounds:
     input:
         records=expand(f"{RESULTS}/records/{{workload}}/T{{{{temperature}}}}/complete.flag", workload=WORKLOADS),
         latency=f"{RESULTS}/latency/latency.json",
         oracle=f"{RESULTS}/solve/oracle_T{{temperature}}.json",
+        model=f"{RESULTS}/model",
+        drafter=drafter_input,
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+    output:
+        directory(f"{RESULTS}/rounds/T{{temperature}}"),
+    wildcard_constraints:
+        temperature=r"[0-9.]+",
+    params:
+        config=config_json(config, "rounds", "policy", "solve", "seed", "torch_device"),
+        records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
+        workloads=lambda wildcards, input: os.path.dirname(input.workloads[0]),
+    log:
+        f"{RESULTS}/logs/ogspo_rounds/T{{temperature}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/ogspo_rounds_T{{temperature}}.tsv"
+    threads: 2
+    resources:
+        mem_mb=6000,
+        runtime=60,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo ogspo-rounds --config-json {params.config:q} --records {params.records} --latency {input.latency}"
+        " --oracle {input.oracle} --model {input.model} --drafter eagle --drafter-path {input.drafter}"
+        " --workloads {params.workloads} --out {output} > {log} 2>&1"
+
+
+rule export_policy:
+    input:
+        f"{RESULTS}/rounds/T{{temperature}}",
     output:
         directory(f"{RESULTS}/policy/T{{temperature}}"),
+    wildcard_constraints:
+        temperature=r"[0-9.]+",
+    log:
+        f"{RESULTS}/logs/export_policy/T{{temperature}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/export_policy_T{{temperature}}.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "OMP_NUM_THREADS={threads} ogspo export-policy --rounds {input} --out {output} > {log} 2>&1"
+
+
+rule train_policy_only:
+    input:
+        records=expand(f"{RESULTS}/records/{{workload}}/T{{{{temperature}}}}/complete.flag", workload=WORKLOADS),
+        latency=f"{RESULTS}/latency/latency.json",
+    output:
+        directory(f"{RESULTS}/ablation/policy_only/T{{temperature}}"),
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
         config=config_json(config, "policy", "seed"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
-        f"{RESULTS}/logs/train_policy/T{{temperature}}.log",
+        f"{RESULTS}/logs/train_policy_only/T{{temperature}}.log",
     benchmark:
-        f"{RESULTS}/benchmarks/train_policy_T{{temperature}}.tsv"
+        f"{RESULTS}/benchmarks/train_policy_only_T{{temperature}}.tsv"
     threads: 1
     resources:
         mem_mb=4000,
@@ -28,4 +86,4 @@ rule train_policy:
         "../envs/torch.yaml"
     shell:
         "OMP_NUM_THREADS={threads} ogspo train-policy --config-json {params.config:q} --records {params.records}"
-        " --latency {input.latency} --oracle {input.oracle} --out {output} > {log} 2>&1"
+        " --latency {input.latency} --template --out {output} > {log} 2>&1"

@@ -40,7 +40,7 @@ def test_misspelt_key(base):
     msg = error_of(base)
     assert msg.startswith("config error at 'modle': unknown key")
     assert "did you mean 'model'" in msg
-    assert "allowed keys: device, drafter, dtype, latency, measure_drafter, model, policy, records, seed, solve, torch_device, workloads" in msg
+    assert "allowed keys: baselines, device, drafter, dtype, evaluate, latency, measure_drafter, model, policy, records, rounds, seed, solve, torch_device, workloads" in msg
 
 
 def test_misspelt_nested_key(base):
@@ -124,9 +124,11 @@ def test_snakemake_rejects_bad_config_with_one_line(tmp_path):
 
 
 def test_snakemake_dry_runs(tmp_path):
-    proc = _snakemake("-n", "--configfile", str(REPO / "config" / "quick.yaml"))
+    # a device name with no results yet: the whole DAG is planned
+    proc = _snakemake("-n", "--configfile", str(REPO / "config" / "quick.yaml"), "--config", f"device=dry-{tmp_path.name}")
     assert proc.returncode == 0, proc.stderr
-    assert "prepare_workloads" in proc.stdout + proc.stderr or "Nothing to be done" in proc.stderr
+    for rule in ("prepare_workloads", "train_drafter", "ogspo_rounds", "evaluate", "report"):
+        assert f"rule {rule}:" in proc.stdout, proc.stdout
 
 
 def test_snakemake_cluster_profile_dry_runs():

@@ -81,3 +81,22 @@ def test_head_for_another_target_is_refused(tmp_path):
         load_head(tmp_path, target_model=target, target_checksum="ffff0000")
     with pytest.raises(ValueError, match="expects a target with vocab"):
         load_head(tmp_path, target_model=tiny_model(0, vocab=80).float(), target_checksum=None)
+
+
+def test_packed_generation_equals_greedy_and_teacher_forcing():
+    """Packed continuations (several prompts in one cache, a forest mask) equal transformers' greedy
+    decoding, and their features / distributions equal a teacher-forced pass over the result."""
+    from ogspo.drafter.data import annotate, generate_annotated, pack_prompts
+
+    model = tiny_model(3, vocab=64, layers=3)  # features of layers 0 and 1 (HF's last hidden state is normed)
+    prompts = [[1, 2, 3], [5, 9, 9, 4, 2, 7], [8], [3, 3, 3, 3]]
+    lm = build_tree_lm(model, max_len=40, feature_layers=(0, 1))
+    packed = generate_annotated(lm, prompts, max_new_tokens=7, pack=3, top_k=4, eos_token_id=None)
+    assert len(pack_prompts([len(p) for p in prompts], max_new_tokens=7, pack=3, max_rows=40)) == 2
+    forced = annotate(model, [s.tokens.tolist() for s in packed], feature_layers=(0, 1), top_k=4, batch_tokens=64)
+    for p, s, f in zip(prompts, packed, forced):
+        ref = hf_greedy(model, p, 7)  # 7 new tokens: the last one is never fed back
+        assert s.tokens.tolist() == p + ref[:6]
+        assert int(s.top_ids[-1, 0]) == ref[6]
+        torch.testing.assert_close(s.feats.float(), f.feats.float(), atol=1e-2, rtol=0)
+        torch.testing.assert_close(s.top_p.float(), f.top_p.float(), atol=1e-3, rtol=0)

@@ -112,6 +112,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="chain length (method chain)")
     p.add_argument("--structure", help="rank paths as JSON, or a JSON file (method static)")
     p.add_argument("--policy", type=Path, help="policy folder with policy.onnx + structure.json (method ogspo)")
+    p.add_argument("--router", type=Path, help="router.json or its folder, from train-routing (method routing)")
     p.add_argument("--total-tokens", type=int, default=60, help="EAGLE-3 dynamic tree size (method eagle)")
     p.add_argument("--depth", type=int, default=5, help="EAGLE-3 dynamic tree depth (method eagle)")
     p.add_argument("--top-k", type=int, default=10, help="EAGLE-3 dynamic tree top_k (method eagle)")
@@ -134,7 +135,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         chat=args.chat,
         policy_args=dict(k=args.k, structure=args.structure, total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k,
-                         policy_path=args.policy),
+                         policy_path=args.policy, router_path=args.router),
         early_exit_layers=args.early_exit_layers,
         drafter_path=args.drafter_path,
         max_len=args.max_len,
@@ -363,8 +364,12 @@ def _add_train_policy(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
     p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
-    p.add_argument("--oracle", required=True, type=Path, help="oracle JSON (its structure is kept fixed)")
-    p.add_argument("--out", required=True, type=Path, help="policy folder to write (policy.onnx, structure.json, train.json, train.md)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--oracle", type=Path, help="oracle JSON: its structure is kept fixed")
+    which.add_argument("--template", action="store_true",
+                       help="keep the records' full template as the structure (the policy-only ablation)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="policy folder to write (policy.onnx, structure.json, export.json, train.json, train.md)")
 
 
 def _run_train_policy(args: argparse.Namespace) -> int:
@@ -387,6 +392,211 @@ def _run_train_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- ogspo-rounds, export-policy
+
+
+def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--oracle", required=True, type=Path, help="oracle JSON (the rounds start from its structure)")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (the records' prompts)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="rounds folder to write (rounds.parquet/png/json, same_trace.parquet, policy.pt, structure.json)")
+
+
+def _run_ogspo_rounds(args: argparse.Namespace) -> int:
+    from ogspo.rounds import run_rounds_stage
+
+    cfg = _load_config(args, ("rounds", "policy", "solve", "seed", "torch_device"))
+
+    def load_engine():
+        target, drafter, checksum, drafter_id, tokenizer = _load_model_drafter(args, device=cfg["torch_device"])
+        return target, drafter, tokenizer, checksum, drafter_id
+
+    r = run_rounds_stage(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle, out_dir=args.out,
+                         load_engine=load_engine, workloads_dir=args.workloads, config=cfg, seed=cfg["seed"])
+    if r.autoregressive:
+        print(f"ogspo rounds: none run, the oracle's structure is empty (autoregressive decoding is best) -> {args.out}")
+        return 0
+    for row in r.rows:
+        print(f"round {row.round}: |S| {row.structure_size}, surrogate J {row.surrogate_J:.3f}, same-trace {row.same_trace_J:.3f} "
+              f"(predicted {row.predicted_J:.3f}), corrected {row.corrected_J:.3f}, posterior bound {row.posterior_bound:.3f}, "
+              f"{'accepted' if row.accepted else 'rejected'}")
+    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason} -> {args.out}")
+    return 0
+
+
+def _add_export_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", required=True, type=Path, help="rounds folder (policy.pt + structure.json)")
+    p.add_argument("--out", required=True, type=Path, help="policy folder to write (policy.onnx, structure.json, export.json)")
+
+
+def _run_export_policy(args: argparse.Namespace) -> int:
+    from ogspo.export import run_export_policy
+
+    r = run_export_policy(rounds_dir=args.rounds, out_dir=args.out)
+    what = "autoregressive (empty structure, no policy.onnx)" if r.export is None else f"policy.onnx ({r.export.bytes} bytes)"
+    print(f"exported {args.rounds}: {what}, |S| = {len(r.structure)} -> {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- baselines: build-sequoia, train-routing
+
+
+def _add_build_sequoia(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--out", required=True, type=Path, help="folder to write (structure.json, sequoia.json)")
+
+
+def _run_build_sequoia(args: argparse.Namespace) -> int:
+    from ogspo.sequoia import build_sequoia
+
+    cfg = _load_config(args, ("baselines",))
+    r = build_sequoia(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["sequoia"], out_dir=args.out)
+    replayed = (f"replayed {r.replayed[r.size]:.3f} tokens/s on {r.n_cycles} record cycles" if r.inside_template
+                else "outside the records template (no replay figure)")
+    kind = "autoregressive (empty tree)" if r.size == 0 else f"{r.size} nodes, depth {r.structure.max_depth}"
+    print(f"sequoia: {kind}, modelled {r.throughput:.3f} tokens/s at L = {r.context_length:.0f}, {replayed}; "
+          f"autoregressive replayed {r.replayed_autoregressive:.3f} -> {args.out}")
+    return 0
+
+
+def _add_train_routing(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--out", required=True, type=Path, help="folder to write (router.json, train.json)")
+
+
+def _run_train_routing(args: argparse.Namespace) -> int:
+    from ogspo.routing import run_train_routing
+
+    cfg = _load_config(args, ("baselines", "seed"))
+    r = run_train_routing(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["routing"],
+                          seed=cfg["seed"], out_dir=args.out)
+    tr, ho = r.train, r.holdout
+    held = f"; held-out {ho.throughput:.3f} vs best template {ho.best_fixed} {ho.best_fixed_throughput:.3f}" if ho else ""
+    print(f"routing: J {tr.throughput:.3f} tokens/s on {tr.n_cycles} train cycles (best template {tr.best_fixed} "
+          f"{tr.best_fixed_throughput:.3f}, per-cycle bound {tr.per_cycle_bound:.3f}){held}; {r.seconds:.1f} s -> {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- tune-eagle, evaluate, report
+
+
+def _key_paths(pairs: list[str] | None, what: str, allowed: tuple[str, ...] | None = None) -> dict[str, str]:
+    """KEY=PATH arguments as a dict (one clear line on a malformed or unknown KEY)."""
+    out = {}
+    for item in pairs or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{what} '{item}' is not KEY=PATH")
+        if allowed is not None and key not in allowed:
+            raise ValueError(f"{what} '{item}': unknown key '{key}'; allowed: {', '.join(allowed)}")
+        out[key] = value
+    return out
+
+
+def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (train split is used)")
+    p.add_argument("--temperature", required=True, type=float)
+    p.add_argument("--out", required=True, type=Path, help="tuning JSON to write (grid and winners per workload)")
+
+
+def _run_tune_eagle(args: argparse.Namespace) -> int:
+    from ogspo.evaluate import load_prompts, tune_eagle, write_tuning
+
+    cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
+    ev = cfg["evaluate"]
+    if args.temperature not in [float(t) for t in cfg["records"]["temperatures"]]:
+        raise ValueError(f"temperature {args.temperature} is not among records.temperatures {cfg['records']['temperatures']}")
+    target, drafter, _, _, tok = _load_model_drafter(args, device=cfg["torch_device"])
+    prompts = load_prompts(args.workloads, tok, split="train", n=ev["tune_prompts_per_workload"])
+    res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
+                     max_new_tokens=ev["max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
+                     progress=lambda line: print(line, flush=True))
+    write_tuning(res, args.out)
+    print(f"tuned EAGLE-3 at T={args.temperature:g}: {res.winners} in {res.seconds:.0f} s -> {args.out}")
+    return 0
+
+
+def _add_evaluate(p: argparse.ArgumentParser) -> None:
+    from ogspo.evaluate import ARTIFACT_KINDS
+
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (eval split is used)")
+    p.add_argument("--latency", type=Path, help="latency.json (surrogate-predicted throughput)")
+    p.add_argument("--oracle", nargs="*", metavar="TAG=PATH", help="oracle JSON per temperature tag, e.g. T0=results/cpu/solve/oracle_T0.json")
+    p.add_argument("--artifact", nargs="*", metavar="KIND=PATH", help=f"artifact path template per method kind, {{T}} = temperature "
+                   f"tag; kinds: {', '.join(ARTIFACT_KINDS)}")
+    p.add_argument("--out-requests", required=True, type=Path, help="requests.parquet to write")
+    p.add_argument("--out-summary", required=True, type=Path, help="summary.json to write")
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from ogspo.calibrate import LatencyModel
+    from ogspo.evaluate import ARTIFACT_KINDS, evaluate_methods, load_prompts, method_specs, read_oracle, render_summary
+    from ogspo.evaluate import temperature_tag, write_evaluation
+
+    cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
+    ev = cfg["evaluate"]
+    specs = method_specs(methods=ev["methods"], chains=ev["chains"], eagle_default=ev["eagle_default"])
+    artifacts = _key_paths(args.artifact, "--artifact", ARTIFACT_KINDS)
+    lacking = sorted({s.kind for s in specs if s.kind in ARTIFACT_KINDS} - set(artifacts))
+    if lacking:
+        raise ValueError(f"evaluate.methods needs --artifact for {', '.join(lacking)} (KIND=PATH with {{T}})")
+    temperatures = [float(t) for t in cfg["records"]["temperatures"]]
+    oracle = read_oracle({k: Path(v) for k, v in _key_paths(args.oracle, "--oracle").items()})
+    unknown = sorted(set(oracle) - {temperature_tag(t) for t in temperatures})
+    if unknown:
+        raise ValueError(f"--oracle {unknown[0]}: not a temperature tag of records.temperatures {cfg['records']['temperatures']}")
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, device=cfg["torch_device"])
+    latency = None if args.latency is None else LatencyModel.from_json(args.latency, expect_model=checksum, expect_drafter=drafter_id)
+    prompts = load_prompts(args.workloads, tok, split="eval", n=ev["prompts_per_workload"])
+    res = evaluate_methods(
+        target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
+        max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
+        latency=latency, oracle=oracle, eos_token_id=tok.eos_token_id, policy_device=cfg["torch_device"],
+        progress=lambda line: print(line, flush=True),
+    )
+    write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)
+    print(render_summary(res.summary))
+    print(f"{len(res.rows)} requests in {res.seconds:.0f} s; lossless: {res.checked} T=0 requests compared, "
+          f"{len(res.near_ties)} near-ties -> {args.out_requests}, {args.out_summary}")
+    return 0
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--evaluate-summary", required=True, type=Path, help="evaluate/summary.json")
+    p.add_argument("--requests", required=True, type=Path, help="evaluate/requests.parquet")
+    p.add_argument("--latency", type=Path, help="latency.json (latency model fit plot)")
+    p.add_argument("--records-summary", type=Path, help="records/summary.json (acceptance by depth plot)")
+    p.add_argument("--structure", nargs="*", metavar="TAG=PATH", help="OGSPO structure.json per temperature tag")
+    p.add_argument("--rounds", nargs="*", metavar="TAG=PATH", help="rounds.parquet per temperature tag (absent files: plot left out)")
+    p.add_argument("--out", required=True, type=Path, help="report folder")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from ogspo.report import write_report
+
+    r = write_report(
+        evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
+        records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
+        rounds=_key_paths(args.rounds, "--rounds"),
+    )
+    print(f"report: {len(r.plots)} plots, OGSPO / tuned EAGLE-3 {r.ratios or 'n/a'} -> {r.markdown_path}")
+    for m in r.missing:
+        print(f"left out: {m}")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
     "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
@@ -397,7 +607,14 @@ COMMANDS: dict[str, Command] = {
     "collect-records": Command("collect posterior verification records", _add_collect_records, _run_collect_records),
     "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),
     "solve-oracle": Command("posterior-optimal structure and stop depths (OGSPO step 0)", _add_solve_oracle, _run_solve_oracle),
-    "train-policy": Command("train the OGSPO stop policy and export it to ONNX", _add_train_policy, _run_train_policy),
+    "train-policy": Command("train the OGSPO stop policy for a fixed structure and export it to ONNX", _add_train_policy, _run_train_policy),
+    "ogspo-rounds": Command("alternating OGSPO rounds with same-trace correction", _add_ogspo_rounds, _run_ogspo_rounds),
+    "export-policy": Command("export the final head of OGSPO rounds as a policy folder", _add_export_policy, _run_export_policy),
+    "build-sequoia": Command("Sequoia-style static tree from records (baseline)", _add_build_sequoia, _run_build_sequoia),
+    "train-routing": Command("pre-drafting routing classifier from records (baseline)", _add_train_routing, _run_train_routing),
+    "tune-eagle": Command("grid-search EAGLE-3 tree settings on train prompts", _add_tune_eagle, _run_tune_eagle),
+    "evaluate": Command("all methods side by side on eval prompts, with the lossless check", _add_evaluate, _run_evaluate),
+    "report": Command("tables and plots from the evaluation", _add_report, _run_report),
 }
 
 

@@ -5,7 +5,10 @@ and one output ``advantage`` [batch] (stop when <= 0). Metadata props (all strin
 ``ogspo_features_version``, ``ogspo_feature_names`` (JSON list), ``ogspo_structure`` (JSON list of
 rank paths), ``ogspo_lambda``, ``ogspo_version``, plus any ``ogspo_*`` extras given.
 
-A policy *folder* holds ``policy.onnx`` and ``structure.json`` (``{"structure": [[0], [1], ...]}``).
+A policy *folder* holds ``policy.onnx``, ``structure.json`` (``{"structure": [[0], [1], ...]}``) and
+``export.json`` (what was exported from where). An empty structure (autoregressive decoding is best)
+comes without ``policy.onnx``. `write_policy_folder` writes one; `run_export_policy` (stage
+`export_policy`) writes one from a rounds folder's ``policy.pt`` + ``structure.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ogspo.policy import FEATURE_NAMES, FEATURES_VERSION, RecentAccept, state_fe
 
 INPUT_NAME, OUTPUT_NAME = "features", "advantage"
 OPSET = 17
-POLICY_FILE, STRUCTURE_FILE = "policy.onnx", "structure.json"
+POLICY_FILE, STRUCTURE_FILE, EXPORT_FILE = "policy.onnx", "structure.json", "export.json"
 
 
 @dataclass
@@ -87,6 +90,55 @@ def write_structure(structure: Structure, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps({"structure": structure.to_list()}) + "\n")
     os.replace(tmp, path)
+
+
+def write_policy_folder(*, head, structure: Structure, lam: float | None, out_dir: Path, info: dict) -> ExportResult | None:
+    """A policy folder: policy.onnx (not for an empty structure), structure.json and export.json
+    (`info` plus the export's size and time). Returns the ONNX export, None for an empty structure."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exp = None
+    if len(structure) > 0:
+        exp = export_policy(head=head, path=out_dir / POLICY_FILE, structure=structure, lam=lam,
+                            extra={k: v for k, v in info.items() if isinstance(v, (str, int, float))})
+    stale = out_dir / POLICY_FILE
+    if exp is None and stale.exists():
+        stale.unlink()
+    write_structure(structure, out_dir / STRUCTURE_FILE)
+    report = {
+        **info, "autoregressive": len(structure) == 0, "structure": structure.to_list(), "lambda": lam,
+        "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
+        "onnx_bytes": exp.bytes if exp else 0, "export_seconds": exp.seconds if exp else 0.0,
+    }
+    tmp = out_dir / f".{EXPORT_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out_dir / EXPORT_FILE)
+    return exp
+
+
+@dataclass
+class ExportStageResult:
+    out_dir: Path
+    structure: Structure
+    export: ExportResult | None  # None when the structure is empty (autoregressive)
+
+
+def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
+    """Stage `export_policy`: the final head of an OGSPO rounds folder (policy.pt + structure.json) as a
+    policy folder that `load_policy_dir` / the `ogspo` method read."""
+    from ogspo.methods import load_structure
+    from ogspo.policy import HEAD_FILE, load_head
+
+    rounds_dir = Path(rounds_dir)
+    if not (rounds_dir / STRUCTURE_FILE).is_file():
+        raise FileNotFoundError(f"rounds folder {rounds_dir} has no {STRUCTURE_FILE}")
+    structure = load_structure(rounds_dir / STRUCTURE_FILE)
+    head, meta = (None, {}) if len(structure) == 0 else load_head(rounds_dir / HEAD_FILE)
+    if head is not None and meta["structure"] != structure.to_list():
+        raise ValueError(f"rounds folder {rounds_dir}: {STRUCTURE_FILE} differs from the structure of {HEAD_FILE}")
+    info = {"source": str(rounds_dir), **{k: meta[k] for k in ("round", "seed") if k in meta}}
+    exp = write_policy_folder(head=head, structure=structure, lam=meta.get("lambda"), out_dir=out_dir, info=info)
+    return ExportStageResult(out_dir=Path(out_dir), structure=structure, export=exp)
 
 
 class OnnxPolicy:
@@ -192,4 +244,7 @@ def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "Onn
     return structure, policy
 
 
-__all__ = ["ExportResult", "OnnxPolicy", "export_policy", "load_policy_dir", "write_structure"]
+__all__ = [
+    "ExportResult", "ExportStageResult", "OnnxPolicy", "export_policy", "load_policy_dir", "run_export_policy",
+    "write_policy_folder", "write_structure",
+]

@@ -10,7 +10,7 @@ from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreeP
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 
-METHODS = ("ar", "chain", "static", "eagle", "ogspo")
+METHODS = ("ar", "chain", "static", "eagle", "ogspo", "routing")
 DRAFTERS = ("eagle", "lookup", "early-exit")
 
 
@@ -41,6 +41,7 @@ def make_policy(
     top_k: int = 10,
     policy_path: str | Path | None = None,
     policy_device: str = "cpu",
+    router_path: str | Path | None = None,
 ) -> TreePolicy:
     if method == "ar":
         return Autoregressive()
@@ -56,6 +57,10 @@ def make_policy(
         return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
     if method == "ogspo":
         return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device)
+    if method == "routing":  # pre-drafting routing baseline: a template per cycle, chosen before drafting
+        from ogspo.routing import make_routing
+
+        return make_routing(router_path)
     raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")
 
 

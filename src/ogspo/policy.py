@@ -449,6 +449,44 @@ def train_policy(
     )
 
 
+HEAD_FILE = "policy.pt"
+
+
+def save_head(*, head: PolicyHead, structure: Structure, lam: float, path: Path, meta: dict | None = None) -> None:
+    """`head` as a torch state dict plus plain meta (structure, lambda, features) at `path` (temp + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {
+        "state_dict": head.state_dict(),
+        "meta": {
+            "hidden": int(head.net[0].out_features), "n_features": int(head.net[0].in_features),
+            "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
+            "structure": structure.to_list(), "lambda": float(lam), **(meta or {}),
+        },
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def load_head(path: Path) -> tuple[PolicyHead, dict]:
+    """(head in eval mode, meta) from a file written by `save_head`; one-line ValueError otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy head {path} does not exist")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        meta, state = blob["meta"], blob["state_dict"]
+    except Exception as exc:  # noqa: BLE001 - torch raises several error types for bad files
+        raise ValueError(f"policy head {path} is not a file written by save_head ({exc.__class__.__name__})") from None
+    if meta.get("features_version") != FEATURES_VERSION or tuple(meta.get("feature_names", ())) != FEATURE_NAMES:
+        raise ValueError(f"policy head {path} uses features version {meta.get('features_version')}; this ogspo computes "
+                         f"version {FEATURES_VERSION}: retrain the policy")
+    head = PolicyHead(int(meta["n_features"]), int(meta["hidden"]))
+    head.load_state_dict(state)
+    return head.eval(), meta
+
+
 def combine_data(parts: list[PolicyData]) -> PolicyData:
     if not parts:
         raise ValueError("no records given")
@@ -479,48 +517,61 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_train_policy(
-    *, records_dirs: list[Path], latency_path: Path, oracle_path: Path, out_dir: Path, config: dict | None, seed: int,
-) -> PolicyStageResult:
-    """Stage `train_policy`: oracle's structure fixed, features + gains from records, train, evaluate, export.
-
-    Writes `out_dir`/policy.onnx, structure.json, train.json and train.md."""
-    from ogspo.export import POLICY_FILE, STRUCTURE_FILE, export_policy, write_structure
-    from ogspo.records import load_records
-
-    oracle_path = Path(oracle_path)
-    if not oracle_path.is_file():
-        raise FileNotFoundError(f"oracle {oracle_path} does not exist")
+def read_oracle(path: Path) -> tuple[Structure, float | None]:
+    """(structure, throughput) of an oracle JSON written by solve-oracle; one-line error otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"oracle {path} does not exist")
     try:
-        oracle = json.loads(oracle_path.read_text())
+        oracle = json.loads(path.read_text())
         S = Structure(oracle["structure"])
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"oracle {oracle_path} is not an oracle JSON written by solve-oracle") from None
-    if len(S) == 0:  # the oracle found no tree worth verifying: the policy is "never draft"
-        out_dir = Path(out_dir)
+        raise ValueError(f"oracle {path} is not an oracle JSON written by solve-oracle") from None
+    return S, (float(oracle["throughput"]) if oracle.get("throughput") is not None else None)
+
+
+def run_train_policy(
+    *, records_dirs: list[Path], latency_path: Path, oracle_path: Path | None, out_dir: Path, config: dict | None, seed: int,
+) -> PolicyStageResult:
+    """Stage `train_policy_only` (and `ogspo train-policy`): structure fixed, features + gains from records,
+    train, evaluate, export. The structure is the oracle's (`oracle_path`) or, with `oracle_path=None`, the
+    records' full template T (the policy-only ablation: no structure optimisation).
+
+    Writes `out_dir`/policy.onnx, structure.json, export.json, train.json and train.md."""
+    from ogspo.export import write_policy_folder
+    from ogspo.records import load_records
+
+    oracle_J = None
+    if oracle_path is not None:
+        S, oracle_J = read_oracle(oracle_path)
+    out_dir = Path(out_dir)
+    if oracle_path is not None and len(S) == 0:  # the oracle found no tree worth verifying: "never draft"
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_structure(S, out_dir / STRUCTURE_FILE)
         reason = ("the oracle's structure is empty: on this device and temperature no draft tree beats "
                   "autoregressive decoding on these records, so the ogspo method decodes autoregressively")
-        report = {"autoregressive": True, "reason": reason, "oracle_throughput": oracle.get("throughput")}
+        write_policy_folder(head=None, structure=S, lam=None, out_dir=out_dir, info={"oracle": str(oracle_path), "seed": seed})
+        report = {"autoregressive": True, "reason": reason, "oracle_throughput": oracle_J}
         _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
         _write_text(out_dir / "train.md", f"No policy trained: {reason}.\n")
-        return PolicyStageResult(out_dir=out_dir, train=None, oracle_throughput=oracle.get("throughput"),
+        return PolicyStageResult(out_dir=out_dir, train=None, oracle_throughput=oracle_J,
                                  export_seconds=0.0, features_seconds=0.0)
     latency = LatencyModel.from_json(latency_path)
     t0 = time.perf_counter()
-    parts = [offline_states(records=load_records(Path(d)), structure=S, latency=latency) for d in records_dirs]
+    records = [load_records(Path(d)) for d in records_dirs]
+    if not records:
+        raise ValueError("no records folders given")
+    if oracle_path is None:
+        S = records[0].template
+    parts = [offline_states(records=r, structure=S, latency=latency) for r in records]
     data = combine_data(parts)
     t_feat = time.perf_counter() - t0
-    oracle_J = float(oracle["throughput"]) if "throughput" in oracle else None
     result = train_policy(data=data, seed=seed, config=config, oracle_throughput=oracle_J)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    exp = export_policy(head=result.head, path=out_dir / POLICY_FILE, structure=S, lam=result.lam,
-                        extra={"seed": str(seed), "oracle": oracle_path.name})
-    write_structure(S, out_dir / STRUCTURE_FILE)
+    source = str(oracle_path) if oracle_path is not None else "records template"
+    exp = write_policy_folder(head=result.head, structure=S, lam=result.lam, out_dir=out_dir,
+                              info={"structure_source": source, "seed": seed})
     report = {
         "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES), "structure": S.to_list(),
+        "structure_source": source,
         "lambda": result.lam, "lambdas": result.lambdas, "round_throughputs": result.round_throughputs,
         "train": asdict(result.train), "holdout": asdict(result.holdout) if result.holdout else None,
         "n_train_requests": result.n_train_requests, "n_holdout_requests": result.n_holdout_requests,
@@ -528,7 +579,7 @@ def run_train_policy(
         "settings": result.settings, "seed": seed, "records": [str(d) for d in records_dirs],
     }
     _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
-    md = [f"### OGSPO policy (|S| = {len(S)}, depth {S.max_depth}, lambda {result.lam:.3f})", "",
+    md = [f"### OGSPO policy (|S| = {len(S)}, depth {S.max_depth}, lambda {result.lam:.3f}, structure: {source})", "",
           result.train.to_markdown("train records")]
     if result.holdout is not None:
         md.append(result.holdout.to_markdown("held-out requests"))
@@ -539,6 +590,7 @@ def run_train_policy(
 
 __all__ = [
     "EMA_ALPHA", "FEATURES_VERSION", "FEATURE_NAMES", "PolicyData", "PolicyEvaluation", "PolicyHead", "PolicyTrainResult",
-    "RecentAccept", "combine_data", "evaluate_policy", "fit_head", "offline_states", "policy_depths", "posterior_bound",
-    "run_train_policy", "split_requests", "state_features", "stop_depths", "train_policy",
+    "HEAD_FILE", "RecentAccept", "combine_data", "evaluate_policy", "fit_head", "load_head", "offline_states",
+    "policy_depths", "posterior_bound", "read_oracle", "run_train_policy", "save_head", "split_requests", "state_features",
+    "stop_depths", "train_policy",
 ]

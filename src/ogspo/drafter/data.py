@@ -14,6 +14,8 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
+from ogspo.engine.target import TreeLM
+
 CHAT_VARIANTS = {
     "humaneval": "Complete the following Python function and explain it briefly:\n\n{text}",
     "fortunes": "Continue this thought in a few sentences: {text}",
@@ -68,59 +70,85 @@ def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int) -> 
     return out
 
 
+def pack_prompts(lengths: list[int], *, max_new_tokens: int, pack: int, max_rows: int) -> list[np.ndarray]:
+    """Prompts (shortest first) grouped into packs of at most `pack` prompts whose prompts and
+    continuations fit `max_rows` cache rows."""
+    order = np.argsort(lengths, kind="stable")
+    out, cur, rows = [], [], 0
+    for i in order:
+        need = lengths[i] + max_new_tokens
+        if cur and (len(cur) == pack or rows + need > max_rows):
+            out.append(np.array(cur))
+            cur, rows = [], 0
+        cur.append(i)
+        rows += need
+    if cur:
+        out.append(np.array(cur))
+    return out
+
+
 @torch.inference_mode()
 def generate_annotated(
-    model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int,
-    feature_layers: tuple[int, ...], top_k: int,
+    lm: TreeLM, prompts: list[list[int]], *, max_new_tokens: int, pack: int, top_k: int, eos_token_id: int | None,
 ) -> list[Sequence]:
-    """The target's greedy continuation of each prompt (batched, left-padded, stopped at EOS), with
-    the target's features at every position and its top-K next-token distribution at every
-    generated position, all from the generation pass itself (no second target pass). Prompt
-    positions get no distribution (top_p = 0): they serve as context, not as training targets."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
-    order = np.argsort([len(p) for p in prompts], kind="stable")
+    """The target's greedy continuation of each prompt, with its features and top-K next-token
+    distribution at every position, all from the generation passes themselves.
+
+    Up to `pack` prompts decode together in one KV cache: every step feeds each unfinished
+    sequence's last token as one row of a single forward whose mask lets a row see only its own
+    sequence's rows (the tree-attention machinery of the engine, with a forest of chains). On a
+    compute-bound CPU this runs ~2.5x faster than transformers' batched `generate` (no padding).
+    The last emitted token of a sequence (EOS or the token at `max_new_tokens`) is never fed back:
+    the sequence ends before it, and its distribution is the target at the last position.
+    `lm` needs the feature layers of the head and a cache of at least
+    max(len(prompt) + max_new_tokens) rows per prompt of a pack."""
+    lengths = [len(p) for p in prompts]
     out: list[Sequence | None] = [None] * len(prompts)
-    for b in tqdm(range(0, len(order), batch_size), desc="target continuations", unit="batch"):
-        idx = order[b : b + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        att = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            att[r, width - len(prompts[i]) :] = 1
-        res = model.generate(
-            input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-            return_dict_in_generate=True, output_hidden_states=True, output_logits=True,
-        )
-        gen = res.sequences[:, width:]  # [b, g]
-        # features: step 0 holds the prompt positions, step s > 0 the s-th generated token's position
-        feats = torch.cat(
-            [torch.cat([step[layer + 1] for layer in feature_layers], -1) for step in res.hidden_states], dim=1
-        )  # [b, width + g - 1, 3D]
-        logits = torch.stack(res.logits, dim=1).float()  # [b, g, V]: distribution of generated token s
-        top = torch.softmax(logits, -1).topk(top_k, dim=-1)
-        for r, i in enumerate(idx):
-            toks = gen[r].tolist()
-            g = toks.index(eos) + 1 if eos in toks else len(toks)
-            n_p = len(prompts[i])
-            n = n_p + g
-            seq_feats = feats[r, width - n_p : width - n_p + n]  # positions 0..n-1 (last one may be missing)
-            if seq_feats.shape[0] < n:  # the final token was never fed back: drop it
-                n -= 1
-                g -= 1
-                seq_feats = seq_feats[:n]
-            top_ids = torch.zeros(n, top_k, dtype=torch.int32)
-            top_p = torch.zeros(n, top_k, dtype=torch.float16)
-            # position t predicts token t+1; generated token s (0-based) is token n_p + s, predicted at n_p + s - 1
-            top_ids[n_p - 1 : n_p - 1 + g] = top.indices[r, :g].to(torch.int32)
-            top_p[n_p - 1 : n_p - 1 + g] = top.values[r, :g].to(torch.float16)
+    packs = pack_prompts(lengths, max_new_tokens=max_new_tokens, pack=pack, max_rows=lm.cache.max_len)
+    bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt")
+    for idx in packs:
+        cache = lm.cache
+        cache.reset()
+        owner: list[int] = []  # sequence of every pending cache row
+        feats: list[list[torch.Tensor]] = [[] for _ in idx]
+        tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in idx]
+        toks: list[list[int]] = [list(prompts[i]) for i in idx]
+        last = []
+        for j, i in enumerate(idx):  # prefill each prompt: causal over its own rows only
+            n = lengths[i]
+            own = torch.zeros(n, len(owner), dtype=torch.bool)
+            attend = torch.cat([own, torch.ones(n, n, dtype=torch.bool).tril_()], dim=1)  # [n, pending + n]
+            fwd = lm.forward(torch.tensor(prompts[i]), torch.arange(n), attend)
+            owner += [j] * n
+            feats[j].append(fwd.features.to(torch.float16))
+            top = torch.softmax(fwd.logits.float(), -1).topk(top_k, dim=-1)  # [n, K]
+            tops[j].append((top.indices.to(torch.int32), top.values.to(torch.float16)))
+            last.append(int(fwd.logits[-1].argmax()))
+        active = [j for j in range(len(idx)) if max_new_tokens > 1 and last[j] != eos_token_id]
+        for _ in range(max_new_tokens - 1):
+            if not active:
+                break
+            own = torch.tensor(owner)[None, :] == torch.tensor(active)[:, None]  # [m, pending]
+            attend = torch.cat([own, torch.eye(len(active), dtype=torch.bool)], dim=1)  # [m, pending + m]
+            positions = torch.tensor([len(toks[j]) for j in active])
+            fwd = lm.forward(torch.tensor([last[j] for j in active]), positions, attend)
+            top = torch.softmax(fwd.logits.float(), -1).topk(top_k, dim=-1)  # [m, K]
+            for r, j in enumerate(active):
+                toks[j].append(last[j])
+                owner.append(j)
+                feats[j].append(fwd.features[r : r + 1].to(torch.float16))
+                tops[j].append((top.indices[r : r + 1].to(torch.int32), top.values[r : r + 1].to(torch.float16)))
+                last[j] = int(fwd.logits[r].argmax())
+            active = [j for j in active if last[j] != eos_token_id]
+        for j, i in enumerate(idx):
             out[i] = Sequence(
-                tokens=torch.tensor(prompts[i] + toks[:g], dtype=torch.int32),
-                feats=seq_feats.to(torch.float16).clone(),
-                top_ids=top_ids,
-                top_p=top_p,
+                tokens=torch.tensor(toks[j], dtype=torch.int32),
+                feats=torch.cat(feats[j]),
+                top_ids=torch.cat([t[0] for t in tops[j]]),
+                top_p=torch.cat([t[1] for t in tops[j]]),
             )
+        bar.update(len(idx))
+    bar.close()
     return out  # type: ignore[return-value]
 
 

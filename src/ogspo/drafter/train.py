@@ -33,7 +33,8 @@ DEFAULTS = dict(
     chat_variants=True,
     prompts_per_workload=0,  # 0 = all train prompts
     stdlib_tokens=30000,
-    gen_batch_size=16,
+    gen_pack=16,  # prompts decoded together in one packed cache
+    gen_rows=4096,  # cache rows of a pack (prompts + continuations)
     annotate_batch_tokens=4096,
     top_k=10,
     seq_len=256,
@@ -71,19 +72,25 @@ def _atomic_torch_save(obj, path: Path) -> None:
 
 
 def build_data(*, model, tokenizer, workloads_dir: Path, cfg: dict, head_cfg: HeadConfig, seed: int, work_dir: Path) -> list[Sequence]:
-    key = _hash({k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "stdlib_tokens", "top_k", "seq_len")}
-                | {"seed": seed, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))})
+    gen_key = {k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "top_k")} | {
+        "version": 3, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
+    key = _hash(gen_key | {k: cfg[k] for k in ("stdlib_tokens", "seq_len")} | {"seed": seed})
     cache = work_dir / f"data-{key}.pt"
     if cache.is_file():
         return torch.load(cache, weights_only=False)
     prompts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
                             max_per_workload=cfg["prompts_per_workload"] or None)
-    gen_cache = work_dir / f"generated-{key}.pt"  # the expensive part, kept on its own
+    gen_cache = work_dir / f"generated-{_hash(gen_key)}.pt"  # the expensive part, kept on its own
     if gen_cache.is_file():
         data = torch.load(gen_cache, weights_only=False)
     else:
-        data = generate_annotated(model, tokenizer, prompts, max_new_tokens=cfg["max_new_tokens"],
-                                  batch_size=cfg["gen_batch_size"], feature_layers=head_cfg.feature_layers, top_k=cfg["top_k"])
+        from ogspo.engine.target import build_tree_lm
+
+        rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
+        lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
+        data = generate_annotated(lm, prompts, max_new_tokens=cfg["max_new_tokens"], pack=cfg["gen_pack"],
+                                  top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
+        del lm
         _atomic_torch_save(data, gen_cache)
     code = stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed)
     data += annotate(model, code, feature_layers=head_cfg.feature_layers, top_k=cfg["top_k"], batch_tokens=cfg["annotate_batch_tokens"])
@@ -102,8 +109,35 @@ def chunk_index(seqs: list[Sequence], seq_len: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
+def window_lengths(seqs: list[Sequence], windows: np.ndarray, seq_len: int) -> np.ndarray:
+    return np.array([min(seq_len, len(seqs[i].tokens) - 1 - a) for i, a in windows], dtype=np.int64)
+
+
+def token_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Windows grouped by length into batches of at most `batch_tokens` padded positions (few pad rows)."""
+    order = np.argsort(lengths, kind="stable")
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            out.append(np.array(cur))
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(np.array(cur))
+    return out
+
+
+def batch_at(batches: list[np.ndarray], step: int, seed: int) -> np.ndarray:
+    """Batch of training step `step`: every epoch visits all batches in its own seeded order, so a
+    resumed run continues exactly where it stopped."""
+    epoch, k = divmod(step, len(batches))
+    order = np.random.default_rng([seed, epoch]).permutation(len(batches))
+    return batches[order[k]]
+
+
 def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int):
     B = len(windows)
+    seq_len = max(min(seq_len, len(seqs[i].tokens) - 1 - a) for i, a in windows)  # trim padding
     D3 = seqs[0].feats.shape[1]
     K = seqs[0].top_ids.shape[1]
     feats = torch.zeros(B, seq_len, D3)
@@ -180,6 +214,8 @@ def train_drafter(
     perm = rng.permutation(len(windows))
     n_val = max(1, int(len(windows) * cfg["val_fraction"]))
     val, train = windows[perm[:n_val]], windows[perm[n_val:]]
+    batch_tokens = cfg["batch_size"] * cfg["seq_len"]
+    batches = token_batches(window_lengths(seqs, train, cfg["seq_len"]), batch_tokens)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -201,8 +237,7 @@ def train_drafter(
     head.train()
     bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
     for step in bar:
-        idx = rng.integers(0, len(train), size=cfg["batch_size"])
-        batch = make_batch(seqs, train[idx], t2d, cfg["seq_len"])
+        batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"])
         loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -223,8 +258,8 @@ def train_drafter(
     head.eval()
     with torch.no_grad():
         vl, va, nb = np.zeros(cfg["ttt_steps"]), np.zeros(cfg["ttt_steps"]), 0
-        for b in range(0, len(val), cfg["batch_size"]):
-            _, losses, accs = ttt_loss(head, make_batch(seqs, val[b : b + cfg["batch_size"]], t2d, cfg["seq_len"]), cfg["ttt_steps"], cfg["ttt_decay"])
+        for b in token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens):
+            _, losses, accs = ttt_loss(head, make_batch(seqs, val[b], t2d, cfg["seq_len"]), cfg["ttt_steps"], cfg["ttt_decay"])
             vl += losses
             va += accs
             nb += 1

@@ -1,0 +1,110 @@
+# Stage: side-by-side evaluation (DESIGN §7) and the report.
+# - tune_eagle: the fair EAGLE-3 baseline, a grid of dynamic trees decoded for real on train prompts,
+#   per workload, at one temperature (winner = highest median throughput).
+# - evaluate: every method of `evaluate.methods` on the held-out eval prompts of every workload at every
+#   records temperature, interleaved request by request in rotated order, with the T=0 lossless check
+#   (a real mismatch fails the job with one line naming method, workload and prompt).
+# - report: report/summary.json, report.md and PNG plots.
+# Method artifacts are passed as path templates, {T} = temperature tag (T0, T1).
+
+EVAL_METHODS = config["evaluate"]["methods"]
+# method kind -> (input folder/file per temperature tag, path template passed to `ogspo evaluate --artifact`)
+EVAL_ARTIFACTS = {
+    "eagle-tuned": (f"{RESULTS}/evaluate/tune_{{T}}.json", f"{RESULTS}/evaluate/tune_{{T}}.json"),
+    "sequoia": (f"{RESULTS}/sequoia/{{T}}", f"{RESULTS}/sequoia/{{T}}/structure.json"),
+    "routing": (f"{RESULTS}/routing/{{T}}", f"{RESULTS}/routing/{{T}}/router.json"),
+    "ogspo": (f"{RESULTS}/policy/{{T}}", f"{RESULTS}/policy/{{T}}"),
+    "ogspo-structure": (f"{RESULTS}/policy/{{T}}", f"{RESULTS}/policy/{{T}}/structure.json"),
+    "ogspo-policy": (f"{RESULTS}/ablation/policy_only/{{T}}", f"{RESULTS}/ablation/policy_only/{{T}}"),
+}
+EVAL_ARTIFACT_KINDS = [m for m in EVAL_METHODS if m in EVAL_ARTIFACTS]
+
+
+rule tune_eagle:
+    input:
+        model=f"{RESULTS}/model",
+        drafter=drafter_input,
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+    output:
+        f"{RESULTS}/evaluate/tune_T{{temperature}}.json",
+    wildcard_constraints:
+        temperature=r"[0-9.]+",
+    params:
+        config=config_json(config, "evaluate", "records", "seed", "torch_device"),
+    log:
+        f"{RESULTS}/logs/tune_eagle/T{{temperature}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/tune_eagle_T{{temperature}}.tsv"
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo tune-eagle --config-json {params.config:q} --model {input.model} --drafter eagle"
+        " --drafter-path {input.drafter} --workloads {input.workloads} --temperature {wildcards.temperature}"
+        " --out {output} > {log} 2>&1"
+
+
+rule evaluate:
+    input:
+        model=f"{RESULTS}/model",
+        drafter=drafter_input,
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        latency=f"{RESULTS}/latency/latency.json",
+        oracle=expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
+        artifacts=sorted({EVAL_ARTIFACTS[k][0].format(T=tag) for k in EVAL_ARTIFACT_KINDS for tag in RECORD_TEMPERATURES}),
+    output:
+        requests=f"{RESULTS}/evaluate/requests.parquet",
+        summary=f"{RESULTS}/evaluate/summary.json",
+    params:
+        config=config_json(config, "evaluate", "records", "seed", "torch_device"),
+        oracle=lambda wildcards, input: [f"{tag}={path}" for tag, path in zip(RECORD_TEMPERATURES, input.oracle)],
+        # a function: strings in params are expanded as wildcards, and {T} is for `ogspo evaluate`
+        artifacts=lambda wildcards: [f"{k}={EVAL_ARTIFACTS[k][1]}" for k in EVAL_ARTIFACT_KINDS],
+    log:
+        f"{RESULTS}/logs/evaluate.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/evaluate.tsv"
+    threads: 2
+    resources:
+        mem_mb=6000,
+        runtime=60,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo evaluate --config-json {params.config:q} --model {input.model} --drafter eagle"
+        " --drafter-path {input.drafter} --workloads {input.workloads} --latency {input.latency}"
+        " --oracle {params.oracle} --artifact {params.artifacts:q} --out-requests {output.requests}"
+        " --out-summary {output.summary} > {log} 2>&1"
+
+
+rule report:
+    input:
+        summary=f"{RESULTS}/evaluate/summary.json",
+        requests=f"{RESULTS}/evaluate/requests.parquet",
+        latency=f"{RESULTS}/latency/latency.json",
+        records=f"{RESULTS}/records/summary.json",
+        policy=expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
+        rounds=expand(f"{RESULTS}/rounds/{{tag}}", tag=RECORD_TEMPERATURES),
+    output:
+        summary=f"{RESULTS}/report/summary.json",
+        md=f"{RESULTS}/report/report.md",
+        plots=[f"{RESULTS}/report/throughput.png", f"{RESULTS}/report/latency.png"],
+    params:
+        structures=lambda wildcards, input: [f"{tag}={d}/structure.json" for tag, d in zip(RECORD_TEMPERATURES, input.policy)],
+        rounds=lambda wildcards, input: [f"{tag}={d}/rounds.parquet" for tag, d in zip(RECORD_TEMPERATURES, input.rounds)],
+        out_dir=lambda wildcards, output: os.path.dirname(output.summary),
+    log:
+        f"{RESULTS}/logs/report.log",
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo report --evaluate-summary {input.summary} --requests {input.requests} --latency {input.latency}"
+        " --records-summary {input.records} --structure {params.structures} --rounds {params.rounds}"
+        " --out {params.out_dir} > {log} 2>&1"

@@ -1,0 +1,515 @@
+"""Pre-drafting routing baseline (DESIGN §7): a classifier picks one of a few templates per cycle
+*before* drafting, and the cycle drafts that template fully (no stop decisions during drafting).
+
+**Templates.** A short config list of sub-structures of the records template T (`[]` = autoregressive,
+chains, a small tree). For every record cycle c and template k, replay gives A_ck (full-depth drafting
+of S_k) and t_ck (latency model), so the net gain of routing c to k is G_ck = A_ck - lambda t_ck.
+
+**Features** (order `ROUTER_FEATURES`, version `ROUTER_FEATURES_VERSION`), all known before drafting:
+
+| # | name | meaning |
+|---|---|---|
+| 0 | log_context | log(1 + committed context length) |
+| 1 | recent_accept | EMA (alpha `EMA_ALPHA`, start 0) of tokens committed per earlier cycle of the request (`RecentAccept`) |
+| 2 | last_commit | tokens committed by the previous cycle (0 at a request's first cycle) |
+| 3 | last_drafted | 1 when the previous cycle drafted a tree (0 after an autoregressive cycle or at the first) |
+| 4 | last_full | 1 when the previous cycle drafted and every drafted level was accepted (commit = depth + 1) |
+| 5 | first_cycle | 1 at a request's first cycle |
+
+Online they come from the growth of the committed context between cycles (`RouterState`, over
+`RecentAccept`) and the depth the previous cycle drafted. Offline they depend on the router's own
+earlier choices (an autoregressive cycle commits 1 token, which lowers the EMA), so features are
+computed by *simulating* the router over each request's record cycles in order (`simulate_router`),
+with the commits replay gives for the chosen templates: the same numbers the engine would feed it if
+the request's cycles recurred. Training rounds alternate: features under the current behaviour
+(round 0: the best single template), fit, re-simulate.
+
+**Classifier.** Standardised features -> MLP (`hidden` units, ReLU; 0 = multinomial logistic
+regression) -> one score per template; the router picks the argmax. Fitted (torch, full batch Adam)
+by maximising the expected normalised net gain sum_k softmax(z)_k G_ck. lambda follows Dinkelbach:
+start at the best single template's throughput, refit at lambda = J(router), keep the best round on the
+training requests. Saved as JSON (weights, normalisation, templates, feature names, version); inference
+is numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ogspo.calibrate import LatencyModel
+from ogspo.engine.policies import Draft, StaticTree, TreePolicy
+from ogspo.engine.tree import DraftTree, Structure
+from ogspo.policy import EMA_ALPHA, RecentAccept, split_requests
+from ogspo.records import Records
+from ogspo.replay import replay, replay_cycles, structure_mask
+
+ROUTER_FORMAT = "ogspo-router"
+ROUTER_FEATURES_VERSION = 1
+ROUTER_FEATURES: tuple[str, ...] = ("log_context", "recent_accept", "last_commit", "last_drafted", "last_full", "first_cycle")
+ROUTER_FILE, REPORT_FILE = "router.json", "train.json"
+
+DEFAULT_ROUTING = {
+    "templates": [[], [[0]], [[0], [0, 0]], [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[0], [1], [0, 0]]],
+    "hidden": 16,
+    "steps": 400,
+    "lr": 0.01,
+    "weight_decay": 1.0e-4,
+    "rounds": 3,
+    "holdout_fraction": 0.25,
+}
+
+
+# ---------------------------------------------------------------- features
+
+
+def router_features(*, context_length: float, recent_accept: float, last_commit: int, last_depth: int | None) -> np.ndarray:
+    """Features before drafting a cycle (order `ROUTER_FEATURES`); `last_depth` None = the request's first cycle. [F]"""
+    first = last_depth is None
+    drafted = not first and last_depth > 0
+    return np.array(
+        [math.log1p(context_length), recent_accept, 0 if first else last_commit, float(drafted),
+         float(drafted and last_commit == last_depth + 1), float(first)],
+        dtype=np.float64,
+    )
+
+
+class RouterState:
+    """Online feature state of one request stream: the committed context length seen at each cycle's start
+    gives the previous cycle's commit (`RecentAccept`); `drafted(depth)` tells it the depth just drafted."""
+
+    def __init__(self, *, max_commit: int, alpha: float = EMA_ALPHA):
+        self.recent = RecentAccept(max_commit=max_commit, alpha=alpha)
+        self.last_depth: int | None = None
+
+    def reset(self) -> None:
+        self.recent.reset()
+        self.last_depth = None
+
+    def features(self, context_length: int) -> np.ndarray:
+        prev = self.recent.last_length
+        same_request = prev is not None and 0 < context_length - prev <= self.recent.max_commit
+        commit = context_length - prev if same_request else 0
+        ema = self.recent.update(context_length)
+        if not same_request:
+            self.last_depth = None
+        return router_features(context_length=context_length, recent_accept=ema, last_commit=commit,
+                               last_depth=self.last_depth)
+
+    def drafted(self, depth: int) -> None:
+        self.last_depth = int(depth)
+
+
+# ---------------------------------------------------------------- the router (numpy inference)
+
+
+@dataclass
+class Router:
+    """Plain data + numpy inference: scores = MLP((features - mean) / scale), one per template."""
+
+    templates: list[Structure]
+    mean: np.ndarray  # [F]
+    scale: np.ndarray  # [F]
+    layers: list[tuple[np.ndarray, np.ndarray]]  # (W [out, in], b [out]); ReLU between layers
+    lam: float = 0.0
+    feature_names: tuple[str, ...] = ROUTER_FEATURES
+    meta: dict = field(default_factory=dict)
+
+    def scores(self, features: np.ndarray) -> np.ndarray:
+        h = (np.asarray(features, dtype=np.float64).reshape(-1, len(self.mean)) - self.mean) / self.scale  # [B, F]
+        for i, (W, b) in enumerate(self.layers):
+            h = h @ W.T + b
+            if i < len(self.layers) - 1:
+                h = np.maximum(h, 0.0)
+        return h  # [B, K]
+
+    def choose(self, features: np.ndarray) -> np.ndarray:
+        """Template index per row (argmax score). [B]"""
+        return np.argmax(self.scores(features), axis=1)
+
+    def to_json(self) -> dict:
+        from ogspo import __version__
+
+        return {
+            "format": ROUTER_FORMAT, "features_version": ROUTER_FEATURES_VERSION, "feature_names": list(self.feature_names),
+            "templates": [S.to_list() for S in self.templates], "template_names": [template_name(S) for S in self.templates],
+            "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+            "layers": [{"weight": W.tolist(), "bias": b.tolist()} for W, b in self.layers],
+            "lambda": self.lam, "ogspo_version": __version__, "meta": self.meta,
+        }
+
+
+def template_name(S: Structure) -> str:
+    if len(S) == 0:
+        return "ar"
+    if S.paths == Structure.chain(len(S)).paths:
+        return f"chain{len(S)}"
+    return f"tree{len(S)}d{S.max_depth}"
+
+
+def write_router(router: Router, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(router.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load_router(path: str | Path) -> Router:
+    """A router from router.json or the folder holding it; one-line errors for anything else."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ROUTER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"router file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"router file {path} is not JSON (expected a router.json written by train-routing)") from None
+    if not isinstance(data, dict) or data.get("format") != ROUTER_FORMAT:
+        raise ValueError(f"router file {path} is not a router written by train-routing (no \"format\": \"{ROUTER_FORMAT}\")")
+    version, names = data.get("features_version"), tuple(data.get("feature_names") or ())
+    if version != ROUTER_FEATURES_VERSION or names != ROUTER_FEATURES:
+        raise ValueError(f"router file {path} uses features version {version} ({len(names)} features); this ogspo computes "
+                         f"version {ROUTER_FEATURES_VERSION} ({len(ROUTER_FEATURES)} features): retrain the router")
+    try:
+        templates = [Structure(t) for t in data["templates"]]
+        mean = np.asarray(data["mean"], dtype=np.float64)
+        scale = np.asarray(data["scale"], dtype=np.float64)
+        layers = [(np.asarray(l["weight"], dtype=np.float64), np.asarray(l["bias"], dtype=np.float64)) for l in data["layers"]]
+        lam = float(data.get("lambda", 0.0))
+    except ValueError as exc:
+        raise ValueError(f"router file {path}: {' '.join(str(exc).split())}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"router file {path} lacks templates, mean, scale or layers (or they are malformed)") from None
+    F, K = len(ROUTER_FEATURES), len(templates)
+    dims = [F] + [W.shape[0] if W.ndim == 2 else -1 for W, _ in layers]
+    ok = (K >= 1 and mean.shape == (F,) and scale.shape == (F,) and (scale > 0).all() and len(layers) >= 1
+          and all(W.ndim == 2 and W.shape[1] == dims[i] and b.shape == (W.shape[0],) for i, (W, b) in enumerate(layers))
+          and dims[-1] == K)
+    if not ok:
+        raise ValueError(f"router file {path}: weight shapes do not map {F} features to {K} template scores "
+                         f"(layer sizes {dims}, mean {mean.shape}, scale {scale.shape})")
+    return Router(templates=templates, mean=mean, scale=scale, layers=layers, lam=lam, meta=data.get("meta") or {})
+
+
+# ---------------------------------------------------------------- runtime policy
+
+
+class RoutedTree(TreePolicy):
+    """Per cycle: features before drafting -> router -> draft that template fully (nothing for `[]`).
+    `bind(target)` before decoding (the features read the committed context length from the target's cache)."""
+
+    name = "routing"
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.trees = [StaticTree(S, name=template_name(S)) if len(S) else None for S in router.templates]
+        self.max_depth = max(S.max_depth for S in router.templates)
+        self.max_nodes = max(len(S) for S in router.templates) + 1
+        self.state = RouterState(max_commit=self.max_depth + 1)
+        self.counts = np.zeros(len(router.templates), dtype=np.int64)  # cycles routed to each template
+        self._context_length: Callable[[], int] | None = None
+
+    def bind(self, target=None, *, context_length: Callable[[], int] | None = None) -> "RoutedTree":
+        if context_length is None:
+            if target is None:
+                raise ValueError("bind needs a target (TreeLM) or a context_length callable")
+            context_length = lambda: int(target.cache.length)  # noqa: E731
+        self._context_length = context_length
+        self.state.reset()
+        return self
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
+        if self._context_length is None:
+            raise ValueError("the routing policy is not bound to a target: call policy.bind(target) first")
+        k = int(self.router.choose(self.state.features(self._context_length()))[0])
+        self.counts[k] += 1
+        tree = self.trees[k]
+        if tree is None:
+            draft = Draft(drafted=DraftTree.from_root(root), verified=np.zeros(1, dtype=np.int64))
+        else:
+            draft = tree.draft(drafter, root, stop_hook=stop_hook)
+        self.state.drafted(int(draft.drafted.depths.max()))
+        return draft
+
+
+def make_routing(router_path: str | Path | None) -> RoutedTree:
+    if router_path is None:
+        raise ValueError("method 'routing' needs a router (--router PATH: router.json or its folder)")
+    return RoutedTree(load_router(router_path))
+
+
+# ---------------------------------------------------------------- offline data
+
+
+@dataclass
+class RoutingData:
+    """Record cycles in request order with every template's replayed outcome."""
+
+    templates: list[Structure]
+    accepted: np.ndarray  # [C, K] A_ck (full-depth drafting of template k)
+    seconds: np.ndarray  # [C, K] t_ck
+    context_lengths: np.ndarray  # [C]
+    requests: np.ndarray  # [C] request id (object)
+    cycles: np.ndarray  # [C] cycle index within the request (rows sorted by request, then cycle)
+
+    def subset(self, rows: np.ndarray) -> "RoutingData":
+        rows = np.sort(rows)
+        return RoutingData(self.templates, self.accepted[rows], self.seconds[rows], self.context_lengths[rows],
+                           self.requests[rows], self.cycles[rows])
+
+
+def check_templates(templates: list, T: Structure) -> list[Structure]:
+    """Structures of the config's template list, each inside the records template T (one-line errors)."""
+    if not isinstance(templates, list) or len(templates) < 2:
+        raise ValueError("baselines.routing.templates must list at least 2 templates (lists of rank paths; [] = autoregressive)")
+    out: list[Structure] = []
+    for i, t in enumerate(templates):
+        if not isinstance(t, list) or not all(isinstance(p, list) and all(isinstance(r, int) for r in p) for p in t):
+            raise ValueError(f"baselines.routing.templates[{i}] is not a list of rank paths, e.g. [[0], [1], [0, 0]]")
+        try:
+            S = Structure(t)
+        except ValueError as exc:
+            raise ValueError(f"baselines.routing.templates[{i}]: {exc}") from None
+        outside = [list(p) for p in sorted(S.paths) if p not in T]
+        if outside:
+            raise ValueError(f"baselines.routing.templates[{i}]: node {outside[0]} is not in the records template "
+                             f"(depth {T.max_depth}, {len(T)} nodes); templates must be sub-structures of it")
+        if any(S.paths == o.paths for o in out):
+            raise ValueError(f"baselines.routing.templates[{i}] repeats an earlier template")
+        out.append(S)
+    return out
+
+
+def routing_data(*, records: Records, templates: list[Structure], latency: LatencyModel) -> RoutingData:
+    cyc = replay_cycles(records)
+    for S in templates:
+        structure_mask(S, cyc.template)  # raises on a node outside the template
+    res = replay(cycles=cyc, structures=templates, depths=np.array([S.max_depth for S in templates]), model=latency)
+    rid = np.asarray(records.cycles["request_id"].to_list(), dtype=object)
+    cidx = records.cycles["cycle"].to_numpy().astype(np.int64)
+    order = np.lexsort((cidx, rid))
+    return RoutingData(templates, res.accepted.T[order].astype(np.float64), res.seconds.T[order], cyc.context_lengths[order],
+                       rid[order], cidx[order])
+
+
+def combine_routing(parts: list[RoutingData]) -> RoutingData:
+    if not parts:
+        raise ValueError("no records given")
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+    data = RoutingData(parts[0].templates, cat("accepted"), cat("seconds"), cat("context_lengths"), cat("requests"), cat("cycles"))
+    order = np.lexsort((data.cycles, data.requests))
+    return data.subset(order)
+
+
+def simulate_router(data: RoutingData, choose: Callable[[np.ndarray], int]) -> tuple[np.ndarray, np.ndarray]:
+    """Features and choices of a router run over each request's cycles in order. -> ([C, F], [C])"""
+    C = len(data.requests)
+    depths = [S.max_depth for S in data.templates]
+    X = np.zeros((C, len(ROUTER_FEATURES)))
+    choice = np.zeros(C, dtype=np.int64)
+    ema, commit, last_depth, prev = 0.0, 0, None, None
+    for c in range(C):
+        if data.requests[c] != prev:
+            ema, commit, last_depth, prev = 0.0, 0, None, data.requests[c]
+        elif last_depth is not None:
+            ema = (1 - EMA_ALPHA) * ema + EMA_ALPHA * commit
+        X[c] = router_features(context_length=float(data.context_lengths[c]), recent_accept=ema, last_commit=commit,
+                               last_depth=last_depth)
+        k = int(choose(X[c]))
+        choice[c] = k
+        commit, last_depth = int(data.accepted[c, k]), depths[k]
+    return X, choice
+
+
+def routed_throughput(data: RoutingData, choice: np.ndarray) -> float:
+    rows = np.arange(len(choice))
+    return float(data.accepted[rows, choice].sum() / data.seconds[rows, choice].sum())
+
+
+def fixed_throughputs(data: RoutingData) -> np.ndarray:
+    """J of routing every cycle to template k. [K]"""
+    return data.accepted.sum(0) / data.seconds.sum(0)
+
+
+def per_cycle_bound(data: RoutingData, tol: float = 1e-12) -> float:
+    """Best template per cycle in hindsight (Dinkelbach): an upper bound for any router over these templates."""
+    A, t = data.accepted, data.seconds
+    rows = np.arange(len(A))
+    lam = float(fixed_throughputs(data).max())
+    while True:
+        k = np.argmax(A - lam * t, axis=1)
+        new = float(A[rows, k].sum() / t[rows, k].sum())
+        if new <= lam * (1 + tol):
+            return max(new, lam)
+        lam = new
+
+
+# ---------------------------------------------------------------- training
+
+
+def fit_router(*, X: np.ndarray, gains: np.ndarray, templates: list[Structure], lam: float, settings: dict, seed: int) -> Router:
+    """Maximise the expected normalised net gain of a softmax over template scores. X [C, F], gains [C, K]."""
+    import torch
+
+    C, F = X.shape
+    K = gains.shape[1]
+    mean = X.mean(0)
+    scale = np.maximum(X.std(0), 1e-3)
+    g = gains - gains.mean(1, keepdims=True)
+    g = g / max(float(g.std()), 1e-9)
+    torch.manual_seed(seed)
+    hidden = int(settings["hidden"])
+    net = (torch.nn.Linear(F, K) if hidden == 0 else
+           torch.nn.Sequential(torch.nn.Linear(F, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, K))).double()
+    x = torch.from_numpy((X - mean) / scale)
+    y = torch.from_numpy(g)
+    opt = torch.optim.Adam(net.parameters(), lr=float(settings["lr"]), weight_decay=float(settings["weight_decay"]))
+    for _ in range(int(settings["steps"])):
+        opt.zero_grad()
+        loss = -(torch.softmax(net(x), dim=1) * y).sum(1).mean()
+        loss.backward()
+        opt.step()
+    linears = [m for m in (net if hidden else [net]) if isinstance(m, torch.nn.Linear)]
+    layers = [(m.weight.detach().numpy().copy(), m.bias.detach().numpy().copy()) for m in linears]
+    return Router(templates=templates, mean=mean, scale=scale, layers=layers, lam=float(lam))
+
+
+@dataclass
+class RoutingEvaluation:
+    n_cycles: int
+    throughput: float  # J(router), record surrogate with the router's own features
+    fixed_throughputs: dict[str, float]  # J of each template alone
+    best_fixed: str
+    best_fixed_throughput: float
+    per_cycle_bound: float  # best template per cycle in hindsight
+    choices: dict[str, int]  # cycles routed to each template
+
+
+def evaluate_router(data: RoutingData, router: Router) -> RoutingEvaluation:
+    _, choice = simulate_router(data, lambda f: router.choose(f)[0])
+    names = [template_name(S) for S in data.templates]
+    fixed = fixed_throughputs(data)
+    b = int(np.argmax(fixed))
+    return RoutingEvaluation(
+        n_cycles=len(choice), throughput=routed_throughput(data, choice),
+        fixed_throughputs={n: float(j) for n, j in zip(names, fixed)}, best_fixed=names[b],
+        best_fixed_throughput=float(fixed[b]), per_cycle_bound=per_cycle_bound(data),
+        choices={n: int(c) for n, c in zip(names, np.bincount(choice, minlength=len(names)))},
+    )
+
+
+def routing_settings(config: dict | None) -> dict:
+    cfg = {**DEFAULT_ROUTING, **((config or {}).get("routing", config) or {})}
+    unknown = set(cfg) - set(DEFAULT_ROUTING)
+    if unknown:
+        raise ValueError(f"unknown baselines.routing settings {sorted(unknown)}; allowed: {sorted(DEFAULT_ROUTING)}")
+    return cfg
+
+
+@dataclass
+class RoutingTrainResult:
+    router: Router
+    lambdas: list[float]
+    round_throughputs: list[float]  # training-set J per round
+    train: RoutingEvaluation
+    holdout: RoutingEvaluation | None
+    n_train_requests: int
+    n_holdout_requests: int
+    seconds: float
+    settings: dict
+
+
+def train_router(*, data: RoutingData, seed: int, config: dict | None = None) -> RoutingTrainResult:
+    """Dinkelbach rounds: simulate the behaviour router for features, fit at lambda, keep the best on train."""
+    cfg = routing_settings(config)
+    t0 = time.perf_counter()
+    tr, ho = split_requests(data.requests, fraction=float(cfg["holdout_fraction"]), seed=seed)
+    train = data.subset(tr)
+    fixed = fixed_throughputs(train)
+    lam = float(fixed.max())
+    best_k = int(np.argmax(fixed))
+    behaviour: Callable[[np.ndarray], int] = lambda f: best_k  # noqa: E731
+    best: tuple[float, Router] | None = None
+    lambdas, Js = [], []
+    for r in range(int(cfg["rounds"])):
+        X, _ = simulate_router(train, behaviour)
+        router = fit_router(X=X, gains=train.accepted - lam * train.seconds, templates=data.templates, lam=lam,
+                            settings=cfg, seed=seed + r)
+        J = routed_throughput(train, simulate_router(train, lambda f, m=router: m.choose(f)[0])[1])
+        lambdas.append(lam)
+        Js.append(J)
+        if best is None or J > best[0]:
+            best = (J, router)
+        if J <= lam * (1 + 1e-9):
+            break
+        lam = J
+        behaviour = lambda f, m=router: m.choose(f)[0]  # noqa: E731
+    router = best[1]
+    return RoutingTrainResult(
+        router=router, lambdas=lambdas, round_throughputs=Js, train=evaluate_router(train, router),
+        holdout=evaluate_router(data.subset(ho), router) if len(ho) else None,
+        n_train_requests=len(set(train.requests.tolist())), n_holdout_requests=len(set(data.requests[ho].tolist())),
+        seconds=time.perf_counter() - t0, settings=cfg,
+    )
+
+
+# ---------------------------------------------------------------- stage: train-routing
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_train_routing(*, records_dirs: list[Path], latency_path: Path, config: dict | None, seed: int,
+                      out_dir: Path) -> RoutingTrainResult:
+    """Stage `train_routing`: writes `out_dir`/router.json and train.json (figures)."""
+    from ogspo.records import load_records
+
+    if not records_dirs:
+        raise ValueError("train-routing needs at least one records folder")
+    cfg = routing_settings(config)
+    latency = LatencyModel.from_json(latency_path)
+    recs = [load_records(Path(d)) for d in records_dirs]
+    templates = check_templates(cfg["templates"], recs[0].template)
+    for d, r in zip(records_dirs, recs):
+        if r.template.paths != recs[0].template.paths:
+            raise ValueError(f"records folder {d} was collected with another template than {records_dirs[0]}")
+    data = combine_routing([routing_data(records=r, templates=templates, latency=latency) for r in recs])
+    result = train_router(data=data, seed=seed, config=cfg)
+    result.router.meta = {"seed": seed, "records": [str(d) for d in records_dirs]}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_router(result.router, out_dir / ROUTER_FILE)
+    report = {
+        "feature_names": list(ROUTER_FEATURES), "features_version": ROUTER_FEATURES_VERSION,
+        "templates": [S.to_list() for S in templates], "template_names": [template_name(S) for S in templates],
+        "lambda": result.router.lam, "lambdas": result.lambdas, "round_throughputs": result.round_throughputs,
+        "train": asdict(result.train), "holdout": asdict(result.holdout) if result.holdout else None,
+        "n_train_requests": result.n_train_requests, "n_holdout_requests": result.n_holdout_requests,
+        "train_seconds": result.seconds, "settings": result.settings, "seed": seed,
+        "records": [str(d) for d in records_dirs],
+    }
+    _write_text(out_dir / REPORT_FILE, json.dumps(report, indent=1) + "\n")
+    return result
+
+
+__all__ = [
+    "ROUTER_FEATURES", "ROUTER_FEATURES_VERSION", "RoutedTree", "Router", "RouterState", "RoutingData", "RoutingEvaluation",
+    "RoutingTrainResult", "check_templates", "combine_routing", "evaluate_router", "fit_router", "load_router",
+    "make_routing", "per_cycle_bound", "router_features", "routing_data", "run_train_routing", "simulate_router",
+    "train_router", "write_router",
+]

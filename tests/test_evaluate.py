@@ -1,0 +1,307 @@
+"""Stages tune_eagle / evaluate / report on tiny float64 models and synthetic inputs (fast)."""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+
+from engine_helpers import hf_greedy, tiny_model
+from solve_helpers import synthetic_latency
+from ogspo.engine import decode
+from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.target import LlamaTreeLM, build_tree_lm
+from ogspo.engine.tree import Structure
+from ogspo.engine.verify import Verdict
+from ogspo.export import export_policy, write_structure
+from test_policy import _threshold_head
+from ogspo.evaluate import (
+    LosslessError, evaluate_methods, method_specs, rotated_order, summarize_requests, tune_eagle, write_evaluation,
+    write_tuning,
+)
+
+PROMPTS = {
+    "alpha": [("a0", [5, 9, 13, 2, 7]), ("a1", [3, 3, 3, 3, 3, 3, 40, 41])],
+    "beta": [("b0", [17, 22, 60, 1, 8, 33, 12, 5, 9, 13])],
+}
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def models():
+    target_model = tiny_model(0)
+    target = build_tree_lm(target_model, max_len=256)
+    drafter = LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1))  # early exit: partial acceptance
+    return target_model, target, drafter
+
+
+def _artifacts(tmp_path, *, tuned=True):
+    (tmp_path / "T0").mkdir(exist_ok=True)
+    (tmp_path / "T1").mkdir(exist_ok=True)
+    for tag in ("T0", "T1"):
+        (tmp_path / tag / "structure.json").write_text(json.dumps({"structure": Structure([(0,), (1,), (0, 0)]).to_list()}))
+        if tuned:
+            (tmp_path / f"tune_{tag}.json").write_text(json.dumps({"winners": {"alpha": [6, 3, 2], "beta": [4, 2, 2]}}))
+        # an OGSPO policy folder: the structure plus a head that continues while max_cum_prob > 0.5
+        pol = tmp_path / "policy" / tag
+        pol.mkdir(parents=True, exist_ok=True)
+        export_policy(head=_threshold_head("max_cum_prob", 0.5), path=pol / "policy.onnx", structure=OGSPO_S, lam=1.0)
+        write_structure(OGSPO_S, pol / "structure.json")
+    return {"sequoia": str(tmp_path / "{T}" / "structure.json"), "eagle-tuned": str(tmp_path / "tune_{T}.json"),
+            "ogspo": str(tmp_path / "policy" / "{T}"), "ogspo-structure": str(tmp_path / "policy" / "{T}" / "structure.json")}
+
+
+OGSPO_S = Structure([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+SPECS = method_specs(methods=["ar", "chain", "eagle-default", "eagle-tuned", "sequoia", "ogspo", "ogspo-structure"],
+                     chains=[2, 3], eagle_default=[8, 3, 3])
+
+
+def test_rotated_order_rotates():
+    orders = [rotated_order(4, i) for i in range(4)]
+    assert orders[0] == [0, 1, 2, 3] and orders[1] == [1, 2, 3, 0] and rotated_order(4, 5) == orders[1]
+    # every method holds every position exactly once over n consecutive slots
+    for m in range(4):
+        assert sorted(o.index(m) for o in orders) == [0, 1, 2, 3]
+
+
+def test_evaluate_rows_lossless_and_summary(models, tmp_path):
+    target_model, target, drafter = models
+    res = evaluate_methods(
+        target=target, drafter=drafter, prompts=PROMPTS, methods=SPECS, temperatures=[0.0, 1.0],
+        max_new_tokens=MAX_NEW, repeats=2, seed=0, artifacts=_artifacts(tmp_path), latency=synthetic_latency(),
+        oracle={"T0": 50.0, "T1": 40.0}, reference_model=target_model,
+    )
+    names = ["ar", "chain2", "chain3", "eagle-default", "eagle-tuned", "sequoia", "ogspo", "ogspo-structure"]
+    df = res.frame()
+    assert df.height == len(names) * 2 * 3 * 2  # methods x temperatures x prompts x repeats
+    assert set(df["method"]) == set(names)
+    # every request of every method at T=0 equals greedy decoding; all T=0 comparisons are identical
+    for row in df.filter(pl.col("temperature") == 0).iter_rows(named=True):
+        prompt = dict(PROMPTS["alpha"] + PROMPTS["beta"])[row["prompt_id"]]
+        assert row["tokens"] == hf_greedy(target_model, prompt, MAX_NEW)
+    assert res.checked == (len(names) - 1) * 3 * 2 and not res.near_ties
+    t0 = df.filter((pl.col("temperature") == 0) & (pl.col("method") != "ar"))
+    assert set(t0["lossless"]) == {"identical"}
+    # rotation: within one request slot the orders are a permutation; across slots the first method changes
+    slots = df.group_by(["temperature", "workload", "prompt_id", "repeat"]).agg(pl.col("order").sort())
+    assert all(o.to_list() == list(range(len(names))) for o in slots["order"])
+    assert df.filter(pl.col("order") == 0)["method"].n_unique() > 1
+    # drafting methods committed more than one token per cycle somewhere; ar exactly one
+    assert df.filter(pl.col("method") == "ar")["tau"].max() == 1.0
+    assert df.filter(pl.col("method") == "chain3")["tau"].max() > 1.0
+    # time split adds up; surrogate prediction present
+    parts = df.select(pl.sum_horizontal("prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds",
+                                        "other_seconds"))
+    assert np.all(parts.to_numpy()[:, 0] <= df["wall_seconds"].to_numpy() + 1e-9)
+    assert (df["predicted_throughput"] > 0).all()
+    # the OGSPO stop hook is timed (and only OGSPO has one); it stopped early somewhere
+    assert (df.filter(pl.col("method") == "ogspo")["policy_seconds"] > 0).all()
+    assert (df.filter(pl.col("method") != "ogspo")["policy_seconds"] == 0).all()
+    og = df.filter(pl.col("method") == "ogspo")["mean_tree_size"].mean()
+    assert og < df.filter(pl.col("method") == "ogspo-structure")["mean_tree_size"].mean()
+    assert res.tuned == {"T0": {"alpha": [6, 3, 2], "beta": [4, 2, 2]}, "T1": {"alpha": [6, 3, 2], "beta": [4, 2, 2]}}
+    # summary: one row per method x workload x temperature, paired speedups, oracle by temperature
+    rows = res.summary
+    assert len(rows) == len(names) * 2 * 2
+    ar_rows = [r for r in rows if r["method"] == "ar"]
+    assert all(r["speedup"] == 1.0 and r["tau"] == 1.0 for r in ar_rows)
+    tuned = [r for r in rows if r["method"] == "eagle-tuned"]
+    assert all(r["vs_eagle_tuned"] == 1.0 for r in tuned)
+    assert {r["oracle_throughput"] for r in rows if r["temperature"] == 1.0} == {40.0}
+    split = rows[0]["time_split"]
+    assert set(split) == {"prefill", "draft", "policy", "verify", "other"} and sum(split.values()) <= 1 + 1e-9
+    write_evaluation(res, requests_path=tmp_path / "ev" / "requests.parquet", summary_path=tmp_path / "ev" / "summary.json")
+    doc = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert doc["lossless"]["checked"] == res.checked and len(doc["rows"]) == len(rows)
+    assert pl.read_parquet(tmp_path / "ev" / "requests.parquet").height == df.height
+
+
+def _broken_verify_greedy(tree, logits):
+    """Accept the first drafted child whatever the target says (a deliberately broken verifier)."""
+    v = _REAL_VERIFY(tree, logits)
+    if len(tree) > 1 and len(v.path) == 1:
+        child = 1
+        return Verdict(path=[0, child], bonus=int(logits[child].argmax()), matches=v.matches)
+    return v
+
+
+_REAL_VERIFY = decode.verify_greedy
+
+
+def test_lossless_check_catches_a_broken_verifier(models, monkeypatch):
+    target_model, target, drafter = models
+    monkeypatch.setattr(decode, "verify_greedy", _broken_verify_greedy)
+    specs = method_specs(methods=["ar", "chain"], chains=[3], eagle_default=[8, 3, 3])
+    with pytest.raises(LosslessError, match=r"method 'chain3' on alpha prompt a\d \(T=0, repeat 0\): MISMATCH"):
+        evaluate_methods(target=target, drafter=drafter, prompts=PROMPTS, methods=specs, temperatures=[0.0],
+                         max_new_tokens=MAX_NEW, repeats=1, seed=0, reference_model=target_model)
+
+
+def test_near_ties_are_reported_not_failed(models, monkeypatch):
+    """A divergence that compare_greedy calls a near-tie is listed, and the run goes on."""
+    from ogspo import evaluate as ev
+    from ogspo.engine.lossless import LosslessReport
+
+    target_model, target, drafter = models
+    monkeypatch.setattr(decode, "verify_greedy", _broken_verify_greedy)
+    monkeypatch.setattr(ev, "compare_greedy", lambda m, p, r, c, tie_margin: LosslessReport(
+        equal=False, first_mismatch=3, margin=5e-5, candidate_is_runner_up=True, near_tie=True))
+    specs = method_specs(methods=["ar", "chain"], chains=[3], eagle_default=[8, 3, 3])
+    res = evaluate_methods(target=target, drafter=drafter, prompts=PROMPTS, methods=specs, temperatures=[0.0],
+                           max_new_tokens=MAX_NEW, repeats=1, seed=0, reference_model=target_model)
+    assert len(res.near_ties) >= 1 and res.near_ties[0].method == "chain3"
+    assert sum(r["near_ties"] for r in res.summary) == len(res.near_ties)
+
+
+def test_tune_eagle_picks_the_fastest_grid_point(models, tmp_path):
+    _, target, drafter = models
+    grid = [[4, 2, 2], [8, 3, 3]]
+    res = tune_eagle(target=target, drafter=drafter, prompts=PROMPTS, grid=grid, temperature=0.0,
+                     max_new_tokens=MAX_NEW, seed=0)
+    assert len(res.points) == len(grid) * len(PROMPTS)
+    for w in PROMPTS:
+        pts = [p for p in res.points if p.workload == w]
+        best = max(pts, key=lambda p: p.throughput)
+        assert res.winners[w] == [best.total_tokens, best.depth, best.top_k]
+    write_tuning(res, tmp_path / "tune_T0.json")
+    doc = json.loads((tmp_path / "tune_T0.json").read_text())
+    assert set(doc["winners"]) == set(PROMPTS) and len(doc["grid"]) == len(res.points)
+    with pytest.raises(ValueError, match=r"eagle_grid entry \[4, 2\]"):
+        tune_eagle(target=target, drafter=drafter, prompts=PROMPTS, grid=[[4, 2]], temperature=0.0,
+                   max_new_tokens=MAX_NEW, seed=0)
+
+
+def test_bad_method_config_gives_one_clear_line():
+    with pytest.raises(ValueError, match="must include 'ar'"):
+        method_specs(methods=["chain"], chains=[4], eagle_default=[60, 5, 10])
+    with pytest.raises(ValueError, match=r"unknown method 'eagel'; allowed: ar, chain, eagle-default"):
+        method_specs(methods=["ar", "eagel"], chains=[4], eagle_default=[60, 5, 10])
+    from ogspo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"config error at 'evaluate.methods\[1\]': 'eagel' is not allowed; allowed values: ar"):
+        load_config({"evaluate": _evaluate_config(methods=["ar", "eagel"])}, sections=("evaluate",))
+    with pytest.raises(ConfigError, match=r"config error at 'evaluate.eagle_grid\[0\]'"):
+        load_config({"evaluate": _evaluate_config(eagle_grid=[[60, 5]])}, sections=("evaluate",))
+    # through the CLI: one `ogspo: error:` line, exit status 2
+    from ogspo.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        cfg = {**_default_config(), "evaluate": _evaluate_config(repeats=0)}
+        rc = main(["evaluate", "--config-json", json.dumps({k: cfg[k] for k in ("evaluate", "records", "seed", "torch_device")}),
+                   "--model", "nowhere", "--drafter", "lookup", "--workloads", "x.parquet",
+                   "--out-requests", "r.parquet", "--out-summary", "s.json"])
+    assert rc == 2 and err.getvalue().count("\n") == 1 and "evaluate.repeats" in err.getvalue()
+
+
+def _default_config() -> dict:
+    import yaml
+
+    from ogspo.config import REPO_ROOT
+
+    return yaml.safe_load((REPO_ROOT / "config" / "default.yaml").read_text())
+
+
+def _evaluate_config(**over):
+    return {**_default_config()["evaluate"], **over}
+
+
+def test_summary_of_synthetic_rows():
+    rows = []
+    for pid, (a, e, o) in enumerate([(10.0, 12.0, 15.0), (20.0, 20.0, 30.0), (10.0, 25.0, 20.0)]):
+        for m, tp in (("ar", a), ("eagle-tuned", e), ("ogspo", o)):
+            rows.append({"workload": "w", "temperature": 0.0, "method": m, "prompt_id": str(pid), "repeat": 0,
+                         "throughput": tp, "wall_seconds": 1.0, "prefill_seconds": 0.1, "draft_seconds": 0.2,
+                         "policy_seconds": 0.05, "verify_seconds": 0.5, "other_seconds": 0.15, "cycles": 4, "tau": 2.0,
+                         "mean_tree_size": 3.0, "predicted_throughput": tp * 1.1, "lossless": "identical"})
+    out = summarize_requests(pl.DataFrame(rows), oracle={"T0": 33.0})
+    og = next(r for r in out if r["method"] == "ogspo")
+    assert og["throughput"] == 20.0 and og["throughput_min"] == 15.0 and og["throughput_max"] == 30.0
+    assert og["speedup"] == pytest.approx(1.5)  # median of 1.5, 1.5, 2.0
+    assert og["vs_eagle_tuned"] == pytest.approx(1.25)  # median of 1.25, 1.5, 0.8
+    assert og["predicted_over_realised"] == pytest.approx(1.1) and og["oracle_throughput"] == 33.0
+    assert og["time_split"]["verify"] == pytest.approx(0.5)
+
+
+def _synthetic_requests() -> pl.DataFrame:
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in (0.0, 1.0):
+        for w in ("alpha", "beta"):
+            for pid in range(3):
+                for m, base in (("ar", 20.0), ("chain4", 18.0), ("eagle-tuned", 24.0), ("ogspo", 27.0)):
+                    tp = base * (1 + 0.1 * rng.standard_normal())
+                    rows.append({
+                        "workload": w, "temperature": t, "method": m, "prompt_id": f"{w}{pid}", "repeat": 0,
+                        "throughput": tp, "wall_seconds": 48 / tp, "prefill_seconds": 0.1, "draft_seconds": 0.3,
+                        "policy_seconds": 0.02 if m == "ogspo" else 0.0, "verify_seconds": 1.0, "other_seconds": 0.1,
+                        "cycles": 20, "tau": 2.4 if m != "ar" else 1.0, "mean_tree_size": 0.0 if m == "ar" else 5.0,
+                        "predicted_throughput": tp * 1.05, "lossless": "n/a" if m == "ar" or t else "identical",
+                    })
+    return pl.DataFrame(rows)
+
+
+def test_report_writes_summary_markdown_and_plots(tmp_path):
+    from ogspo.report import write_report
+
+    ev = tmp_path / "evaluate"
+    ev.mkdir()
+    _synthetic_requests().write_parquet(ev / "requests.parquet")
+    (ev / "summary.json").write_text(json.dumps({
+        "rows": [], "oracle": {"T0": 35.0, "T1": 30.0}, "eagle_tuned": {"T0": {"alpha": [16, 4, 4]}},
+        "lossless": {"checked": 36, "mismatches": 0, "near_ties": [
+            {"method": "ogspo", "workload": "beta", "prompt_id": "beta1", "repeat": 0, "token": 7, "margin": 3e-5}]},
+    }))
+    lat = synthetic_latency()
+    (tmp_path / "latency.json").write_text(json.dumps({
+        "model": lat.to_json(), "validation": [{"n": 3, "L": 256, "measured": 0.19, "predicted": 0.18, "ape": 0.05}],
+        "mdape": 0.05, "fixed_samples": [0.004], "seconds": 1.0}))
+    (tmp_path / "records.json").write_text(json.dumps({
+        "alpha/T0": {"tau": 2.1, "accept_by_depth": [0.6, 0.3, 0.1]}, "alpha/T1": {"tau": 1.7, "accept_by_depth": [0.5, 0.2, 0.0]}}))
+    write_structure(OGSPO_S, tmp_path / "structure_T0.json")
+    write_structure(Structure([]), tmp_path / "structure_T1.json")
+    pl.DataFrame({"round": [0, 1, 2], "surrogate_J": [20.0, 22.0, 22.5], "oracle_bound": [35.0] * 3,
+                  "same_trace_J": [19.0, 21.0, 21.5], "corrected_J": [19.5, 21.5, 22.0], "accepted": [True, True, False],
+                  "structure_size": [7, 8, 8]}).write_parquet(tmp_path / "rounds_T0.parquet")
+    out = tmp_path / "report"
+    r = write_report(
+        evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=out,
+        latency=tmp_path / "latency.json", records_summary=tmp_path / "records.json",
+        structures={"T0": tmp_path / "structure_T0.json", "T1": tmp_path / "structure_T1.json"},
+        rounds={"T0": tmp_path / "rounds_T0.parquet", "T1": tmp_path / "absent.parquet"},
+    )
+    doc = json.loads((out / "summary.json").read_text())
+    assert len(doc["rows"]) == 4 * 2 * 2  # methods x workloads x temperatures
+    need = {"method", "workload", "temperature", "throughput", "throughput_q25", "throughput_q75", "tau", "speedup",
+            "vs_eagle_tuned", "predicted_throughput", "oracle_throughput", "time_split"}
+    assert all(need <= set(row) for row in doc["rows"])
+    og = [row for row in doc["rows"] if row["method"] == "ogspo"]
+    assert all(row["vs_eagle_tuned"] > 1 and row["oracle_throughput"] in (35.0, 30.0) for row in og)
+    ratios = doc["ogspo_vs_eagle_tuned"]
+    assert set(ratios["by_temperature"]) == {"T0", "T1"} and ratios["mean"] == pytest.approx(
+        np.mean([v for per in ratios["by_temperature"].values() for v in per.values()]))
+    for name in ("throughput", "latency", "rounds", "acceptance", "structure"):
+        png = out / f"{name}.png"
+        assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG", name
+    md = (out / "report.md").read_text()
+    assert "OGSPO / tuned EAGLE-3" in md and "Mean over workloads and temperatures" in md
+    assert "beta1" in md and "1 float near-ties" in md  # the near-tie is reported
+    assert "absent.parquet not found" in md and any("absent.parquet" in m for m in r.missing)
+    assert "What limits it" in md and "T1: the OGSPO structure has 0 nodes" in md
+    # without rounds tables at all, the plot is left out and said so
+    r2 = write_report(evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=tmp_path / "r2")
+    assert [p.name for p in r2.plots] == ["throughput.png"] and len(r2.missing) == 3
+
+
+def test_report_refuses_a_bad_requests_table(tmp_path):
+    from ogspo.cli import main
+
+    pl.DataFrame({"workload": ["a"], "throughput": [1.0]}).write_parquet(tmp_path / "requests.parquet")
+    (tmp_path / "summary.json").write_text("{}")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["report", "--evaluate-summary", str(tmp_path / "summary.json"), "--requests",
+                   str(tmp_path / "requests.parquet"), "--out", str(tmp_path / "report")])
+    assert rc == 2 and err.getvalue().count("\n") == 1 and "missing columns temperature, method" in err.getvalue()

@@ -1,0 +1,252 @@
+"""OGSPO rounds: same-trace executions, the control-variate acceptance, alternation, outputs.
+
+Tiny float64 models and records collected from them (fast)."""
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+import ogspo.rounds as rounds_mod
+from engine_helpers import hf_greedy, tiny_model
+from solve_helpers import synthetic_latency
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.target import LlamaTreeLM, build_tree_lm
+from ogspo.engine.tree import Structure
+from ogspo.export import load_policy_dir, run_export_policy
+from ogspo.methods import make_policy
+from ogspo.policy import FEATURE_NAMES, N_FEATURES, PolicyHead, load_head, offline_states, policy_depths
+from ogspo.records import collect_records, load_records
+from ogspo.rounds import (
+    SameTraceSetup, SameTraceSummary, improves, propensity, run_rounds, run_rounds_stage, same_trace,
+    summarize_same_trace, write_rounds,
+)
+from ogspo.solve import StructureResult
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
+TEMPLATE = Structure.full([3, 2, 2])
+SUB = Structure([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+MAX_NEW = 14
+POLICY = {"hidden": 16, "sweeps": 0, "steps_per_sweep": 60, "lr": 0.003, "weight_decay": 0.0, "rounds": 2,
+          "holdout_fraction": 0.25}
+SOLVE = {"time_limit": 10, "mip_gap": 1e-6, "dinkelbach_tol": 1e-7, "max_iterations": 10, "min_depth": 1,
+         "max_depth": None, "context_buckets": 1}
+
+
+def _setup() -> SameTraceSetup:
+    target = build_tree_lm(tiny_model(0), max_len=256)
+    drafter = LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1))  # early exit: partial acceptance
+    return SameTraceSetup(target=target, drafter=drafter, prompts={f"p{i}": p for i, p in enumerate(PROMPTS)})
+
+
+@pytest.fixture(scope="module", params=[0.0, 1.0], ids=["T0", "T1"])
+def records(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"records-T{request.param:g}")
+    st = _setup()
+    collect_records(target=st.target, drafter=st.drafter, template=TEMPLATE, prompts=PROMPTS, temperature=request.param,
+                    seed=0, max_new_tokens=MAX_NEW, out_dir=out, shard_size=3, model_checksum="m" * 64, drafter_id="ee1")
+    return out
+
+
+def _threshold_head(feature: str, threshold: float) -> PolicyHead:
+    """advantage = x[feature] - threshold (continue while the feature is above the threshold)."""
+    head = PolicyHead(N_FEATURES, 2)
+    i = FEATURE_NAMES.index(feature)
+    with torch.no_grad():
+        for p in head.net.parameters():
+            p.zero_()
+        head.net[0].weight[0, i], head.net[0].bias[0] = 1.0, -threshold
+        head.net[0].weight[1, i], head.net[0].bias[1] = -1.0, threshold
+        head.net[2].weight[0, 0], head.net[2].weight[1, 1] = 1.0, 1.0
+        head.net[4].weight[0, 0], head.net[4].weight[0, 1] = 1.0, -1.0
+    return head.eval()
+
+
+def _run(records_dir, decide, *, epsilon, structure=SUB, max_new_tokens=MAX_NEW, requests=("p0", "p1", "p2")):
+    rec = load_records(records_dir)
+    data = offline_states(records=rec, structure=structure, latency=synthetic_latency())
+    frame = same_trace(setup=_setup(), records=rec, data=data, decide=decide, latency=synthetic_latency(),
+                       epsilon=epsilon, seed=3, request_ids=list(requests), max_new_tokens=max_new_tokens)
+    return rec, data, frame
+
+
+def test_same_trace_without_exploration_reproduces_the_records(records):
+    """eps = 0: every executed cycle stops where the offline policy stops and commits what the replay says
+    (tokens too at T=0; the accepted drafted tokens at T=1, where the bonus depends on the tree)."""
+    head = _threshold_head("max_cum_prob", 0.3)
+    rec, data, frame = _run(records, lambda f: bool(head.advantage(f)[0] <= 0), epsilon=0.0)
+    assert frame.height == rec.cycles.height  # every cycle of the 3 requests is within MAX_NEW tokens
+    assert frame["tokens_agree"].all()
+    assert (frame["realised_accepted"] == frame["predicted_accepted"]).all()
+    want = policy_depths(head, data)  # records.cycles order = frame order (requests sorted, cycles in order)
+    got = frame["depth"].to_numpy()
+    np.testing.assert_array_equal(got, want)
+    assert 1 < len(set(got.tolist()))  # the policy does stop at different depths
+    assert not any(any(e) for e in frame["explored"].to_list())
+    assert all(p == 1.0 for ps in frame["propensity"].to_list() for p in ps)
+    s = summarize_same_trace(frame)
+    assert s.token_agreement == 1.0 and s.n_explored == 0
+    assert s.ipw_J == pytest.approx(s.realised_J)  # all weights 1 without exploration
+    # a cap on generated tokens keeps only the first cycles of each request
+    _, _, short = _run(records, lambda f: False, epsilon=0.0, max_new_tokens=3, requests=("p1",))
+    assert 1 <= short.height < (rec.cycles["request_id"] == "p1").sum()
+
+
+def test_logged_propensities(records):
+    rec, data, frame = _run(records, lambda f: False, epsilon=0.5, structure=TEMPLATE)  # policy: always continue
+    levels, stops, pols, expl, props = (frame[k].to_list() for k in ("levels", "stop", "policy_stop", "explored", "propensity"))
+    n = sum(len(x) for x in levels)
+    assert n > 10 and 0 < sum(map(sum, expl)) < n
+    for lv, st, po, ex, pr, depth in zip(levels, stops, pols, expl, props, frame["depth"].to_list()):
+        assert not any(po)
+        assert lv == list(range(1, len(lv) + 1))
+        for s, e, p in zip(st, ex, pr):
+            assert s <= e  # only an explored decision can stop an always-continue policy
+            assert p == pytest.approx(0.25 if s else 0.75)  # (1 - eps) [a = policy's] + eps / 2
+        assert depth == (lv[st.index(True)] if any(st) else TEMPLATE.max_depth)
+    assert propensity(stop=True, policy_stop=True, epsilon=0.1) == pytest.approx(0.95)
+    assert propensity(stop=False, policy_stop=True, epsilon=0.1) == pytest.approx(0.05)
+    assert propensity(stop=True, policy_stop=False, epsilon=1.0) == pytest.approx(0.5)
+    s = summarize_same_trace(frame)
+    assert s.n_explored == sum(map(sum, expl)) and s.n_decisions == n
+
+
+def test_improves():
+    assert improves(1.0, None, 0.01)
+    assert improves(1.02, 1.0, 0.01)
+    assert not improves(1.005, 1.0, 0.01)
+    assert not improves(0.9, 1.0, 0.0)
+
+
+def _config(**rounds):
+    return {"rounds": {"max_rounds": 3, "epsilon": 0.2, "prompts_per_workload": 2, "max_new_tokens": 10,
+                       "tolerance": 0.0, **rounds}, "policy": POLICY, "solve": SOLVE}
+
+
+def test_rounds_run_and_outputs_load(records, tmp_path):
+    """A real run (tiny models): J of accepted rounds never decreases; the written folder exports to a
+    policy folder that the lossless `ogspo` method loads."""
+    lat = synthetic_latency()
+    out = tmp_path / "rounds"
+    rec = load_records(records)
+    res = run_rounds(records=[rec], latency=lat, structure=SUB, oracle_throughput=9.5, setup=_setup, config=_config(), seed=0)
+    assert res.rows and res.rows[0].accepted and res.structures[0] == SUB.to_list()
+    js = [r.corrected_J for r in res.rows if r.accepted]
+    assert js == sorted(js)
+    inc = [r.incumbent_J for r in res.rows]
+    assert inc == sorted(inc)
+    r0 = res.rows[0]
+    assert r0.corrected_J == pytest.approx(r0.surrogate_J + r0.same_trace_J - r0.predicted_J)
+    assert r0.surrogate_J <= r0.posterior_bound + 1e-9
+    assert r0.token_agreement == 1.0  # the same engine and numbers as the records
+    assert res.same_trace.height == sum(r.same_trace_cycles for r in res.rows)
+    write_rounds(res, out, seed=0, records_dirs=[str(records)])
+    table = pl.read_parquet(out / "rounds.parquet")
+    assert table.height == len(res.rows) and table["accepted"].to_list() == [r.accepted for r in res.rows]
+    report = json.loads((out / "rounds.json").read_text())
+    assert report["structure"] == res.structure.to_list() and not report["autoregressive"]
+    assert (out / "rounds.png").stat().st_size > 1000
+    head, meta = load_head(out / "policy.pt")
+    assert meta["structure"] == res.structure.to_list() and meta["round"] == res.incumbent_round
+    exp = run_export_policy(rounds_dir=out, out_dir=tmp_path / "policy")
+    assert exp.export is not None and (tmp_path / "policy" / "export.json").is_file()
+    S, pol = load_policy_dir(tmp_path / "policy")
+    assert S.paths == res.structure.paths
+    X = offline_states(records=rec, structure=S, latency=lat).features.reshape(-1, N_FEATURES)
+    np.testing.assert_array_equal(pol.advantage(X) <= 0, head.advantage(X) <= 0)
+    method = make_policy("ogspo", policy_path=tmp_path / "policy")
+    target_model = tiny_model(0)
+    target = build_tree_lm(target_model, max_len=256)
+    method.bind(target)
+    engine = SpeculativeEngine(target=target, policy=method, drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, max_new_tokens=20).tokens == hf_greedy(target_model, prompt, 20)
+
+
+def test_worse_candidate_is_rejected(records, monkeypatch):
+    """Same-trace corrections +0, +5, -1000 over rounds whose structure updates alternate SUB -> T -> SUB:
+    rounds 0 and 1 are accepted (corrected J rises), round 2's candidate is rejected although the surrogate
+    alone cannot tell, the rounds stop and round 1's policy and structure stay the result."""
+    rec = load_records(records)
+    corrections = iter([0.0, 5.0, -1000.0])
+    updates = iter([TEMPLATE, SUB])
+    real = summarize_same_trace
+
+    def fake_summary(frame):
+        s = real(frame)
+        return SameTraceSummary(**{**s.__dict__, "realised_J": s.predicted_J + next(corrections)})
+
+    def fake_structure(**kw):
+        return StructureResult(structure=next(updates).to_list(), throughput=1.0, accepted=1.0, seconds_total=1.0,
+                               lambdas=[1.0], iterations=1, gaps=[0.0], statuses=["optimal"], solve_seconds=0.01,
+                               ratio_upper_bound=1.0, n_cycles=1)
+
+    monkeypatch.setattr(rounds_mod, "summarize_same_trace", fake_summary)
+    monkeypatch.setattr(rounds_mod, "solve_structure", fake_structure)
+    res = run_rounds(records=[rec], latency=synthetic_latency(), structure=SUB, oracle_throughput=None, setup=_setup,
+                     config=_config(max_rounds=5), seed=0)
+    assert [r.accepted for r in res.rows] == [True, True, False]
+    assert res.structures == [SUB.to_list(), TEMPLATE.to_list(), SUB.to_list()]
+    assert res.incumbent_round == 1 and res.structure.paths == TEMPLATE.paths
+    inc = [r.incumbent_J for r in res.rows]
+    assert inc[0] < inc[1] == inc[2] > res.rows[2].corrected_J
+    for r in res.rows:
+        assert r.corrected_J == pytest.approx(r.surrogate_J + r.same_trace_J - r.predicted_J)
+    assert "does not beat" in res.stop_reason
+    assert res.rows[0].structure_solve_seconds == pytest.approx(0.01)
+    rows = [rounds_mod.RoundRow(**{**res.rows[0].__dict__, "corrected_J": j}) for j in (2.0, 1.0)]
+    with pytest.raises(RuntimeError, match="decreased"):
+        rounds_mod.check_monotone(rows)
+
+
+def test_empty_oracle_structure_writes_autoregressive_rounds(tmp_path):
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"structure": [], "throughput": 25.0}))
+
+    def no_engine():
+        raise AssertionError("no model is needed for an empty structure")
+
+    res = run_rounds_stage(records_dirs=[], latency_path=tmp_path / "unused.json", oracle_path=oracle,
+                           out_dir=tmp_path / "rounds", load_engine=no_engine, workloads_dir=tmp_path, config=None, seed=0)
+    assert res.autoregressive and res.rows == []
+    assert pl.read_parquet(tmp_path / "rounds" / "rounds.parquet").height == 0
+    report = json.loads((tmp_path / "rounds" / "rounds.json").read_text())
+    assert report["autoregressive"] and "empty" in report["stop_reason"]
+    assert not (tmp_path / "rounds" / "policy.pt").exists()
+    run_export_policy(rounds_dir=tmp_path / "rounds", out_dir=tmp_path / "policy")
+    S, pol = load_policy_dir(tmp_path / "policy")
+    assert len(S) == 0 and pol is None
+    assert make_policy("ogspo", policy_path=tmp_path / "policy").max_nodes == 1
+
+
+def test_policy_only_ablation_and_export_cli(records, tmp_path):
+    """`train-policy --template` (the policy-only ablation: the full records template as structure) and
+    `export-policy` write policy folders that the `ogspo` method loads; bad input is one error line."""
+    import contextlib
+    import io
+
+    from ogspo.cli import main
+
+    (tmp_path / "latency.json").write_text(json.dumps(synthetic_latency().to_json()))
+    cfg = json.dumps({"seed": 0, "policy": POLICY})
+    rc = main(["train-policy", "--config-json", cfg, "--records", str(records), "--latency", str(tmp_path / "latency.json"),
+               "--template", "--out", str(tmp_path / "ablation")])
+    assert rc == 0
+    S, pol = load_policy_dir(tmp_path / "ablation")
+    assert S.paths == TEMPLATE.paths and pol.structure.paths == TEMPLATE.paths
+    assert json.loads((tmp_path / "ablation" / "export.json").read_text())["structure_source"] == "records template"
+    assert make_policy("ogspo", policy_path=tmp_path / "ablation").structure.paths == TEMPLATE.paths
+
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"structure": [], "throughput": 25.0}))
+    run_rounds_stage(records_dirs=[], latency_path=tmp_path / "latency.json", oracle_path=oracle, out_dir=tmp_path / "rounds",
+                     load_engine=None, workloads_dir=tmp_path, config=None, seed=0)
+    assert main(["export-policy", "--rounds", str(tmp_path / "rounds"), "--out", str(tmp_path / "policy")]) == 0
+    assert json.loads((tmp_path / "policy" / "export.json").read_text())["autoregressive"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["export-policy", "--rounds", str(tmp_path / "missing"), "--out", str(tmp_path / "p2")])
+    assert rc == 2 and err.getvalue().count("\n") == 1 and "has no structure.json" in err.getvalue()
