@@ -29,6 +29,13 @@ def test_split_edge_sizes():
     assert list(split_ids(["a", "b"], eval_fraction=0.01, seed=0, name="w").values()).count("eval") == 1
     assert list(split_ids(["a", "b"], eval_fraction=0.99, seed=0, name="w").values()).count("train") == 1
     assert set(split_ids(["a", "b"], eval_fraction=1.0, seed=0, name="w").values()) == {"eval"}
+    ids = [f"p{i}" for i in range(20)]
+    with_calib = split_ids(ids, eval_fraction=0.25, seed=0, name="w", calib_prompts=6)
+    assert list(with_calib.values()).count("calib") == 6 and list(with_calib.values()).count("train") == 9
+    plain = split_ids(ids, eval_fraction=0.25, seed=0, name="w")
+    assert {i for i in ids if with_calib[i] == "eval"} == {i for i in ids if plain[i] == "eval"}
+    # at least one train prompt is left for the head
+    assert list(split_ids(ids[:4], eval_fraction=0.25, seed=0, name="w", calib_prompts=9).values()).count("train") == 1
     with pytest.raises(ValueError, match="duplicate"):
         split_ids(["a", "a"], eval_fraction=0.5, seed=0, name="w")
 
@@ -72,9 +79,9 @@ def test_prepare_workloads_with_real_tokenizer(smollm2_dir, tmp_path):
     config = {
         "seed": 0,
         "workloads": {
-            "mtbench": {"max_prompts": 8, "eval_fraction": 0.25, "max_prompt_tokens": 512},
-            "humaneval": {"max_prompts": 8, "eval_fraction": 0.25, "max_prompt_tokens": 512},
-            "fortunes": {"max_prompts": 8, "eval_fraction": 0.25, "max_prompt_tokens": 256,
+            "mtbench": {"max_prompts": 8, "eval_fraction": 0.25, "calib_prompts": 2, "max_prompt_tokens": 512},
+            "humaneval": {"max_prompts": 8, "eval_fraction": 0.25, "calib_prompts": 2, "max_prompt_tokens": 512},
+            "fortunes": {"max_prompts": 8, "eval_fraction": 0.25, "calib_prompts": 2, "max_prompt_tokens": 256,
                          "dir": "/usr/share/games/fortunes"},
         },
     }
@@ -84,7 +91,7 @@ def test_prepare_workloads_with_real_tokenizer(smollm2_dir, tmp_path):
         df = pl.read_parquet(t.path)
         assert df.equals(pl.read_parquet(u.path))  # deterministic
         assert df.columns == ["workload", "prompt_id", "split", "category", "chat", "text", "prompt", "n_tokens"]
-        assert df.height == 8 and (t.n_train, t.n_eval) == (6, 2)
+        assert df.height == 8 and (t.n_train, t.n_calib, t.n_eval) == (4, 2, 2)
         assert df["prompt_id"].n_unique() == 8
         for row in df.iter_rows(named=True):
             assert row["n_tokens"] == len(tok(row["prompt"], add_special_tokens=False)["input_ids"])

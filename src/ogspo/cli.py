@@ -88,7 +88,7 @@ def _run_prepare_workloads(args: argparse.Namespace) -> int:
     result = prepare_workloads(config=cfg, tokenizer=load_tokenizer(args.model), out_dir=args.out)
     for t in result.tables:
         print(
-            f"{t.name}: {t.n_train} train + {t.n_eval} eval prompts -> {t.path} "
+            f"{t.name}: {t.n_train} train + {t.n_calib} calib + {t.n_eval} eval prompts -> {t.path} "
             f"(max {t.max_tokens} tokens, {t.n_dropped} dropped as too long)"
         )
     return 0
@@ -211,7 +211,7 @@ def _run_calibrate_latency(args: argparse.Namespace) -> int:
 def _add_collect_records(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     _add_model_drafter(p)
-    p.add_argument("--workload-file", required=True, type=Path, help="workloads/{workload}.parquet (train split is used)")
+    p.add_argument("--workload-file", required=True, type=Path, help="workloads/{workload}.parquet (calib split is used)")
     p.add_argument("--temperature", required=True, type=float)
     p.add_argument("--out", required=True, type=Path, help="folder for the shards")
 
@@ -231,9 +231,9 @@ def _run_collect_records(args: argparse.Namespace) -> int:
         raise ValueError(f"temperature {args.temperature} is not among records.temperatures {rc['temperatures']}")
     if not args.workload_file.is_file():
         raise FileNotFoundError(f"workload file {args.workload_file} does not exist")
-    table = pl.read_parquet(args.workload_file).filter(pl.col("split") == "train").head(rc["prompts_per_workload"])
+    table = pl.read_parquet(args.workload_file).filter(pl.col("split") == "calib").sort("prompt_id").head(rc["prompts_per_workload"])
     if table.height == 0:
-        raise ValueError(f"{args.workload_file} has no train prompts")
+        raise ValueError(f"{args.workload_file} has no calib prompts (workloads.<name>.calib_prompts)")
     target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, device=cfg["torch_device"])
     prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
     ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
@@ -504,7 +504,7 @@ def _key_paths(pairs: list[str] | None, what: str, allowed: tuple[str, ...] | No
 def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     _add_model_drafter(p)
-    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (train split is used)")
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (calib split is used)")
     p.add_argument("--temperature", required=True, type=float)
     p.add_argument("--out", required=True, type=Path, help="tuning JSON to write (grid and winners per workload)")
 
@@ -517,7 +517,7 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
     if args.temperature not in [float(t) for t in cfg["records"]["temperatures"]]:
         raise ValueError(f"temperature {args.temperature} is not among records.temperatures {cfg['records']['temperatures']}")
     target, drafter, _, _, tok = _load_model_drafter(args, device=cfg["torch_device"])
-    prompts = load_prompts(args.workloads, tok, split="train", n=ev["tune_prompts_per_workload"])
+    prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
     res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
                      max_new_tokens=ev["max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
                      progress=lambda line: print(line, flush=True))

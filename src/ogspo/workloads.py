@@ -48,6 +48,7 @@ class WorkloadTable:
     name: str
     path: Path
     n_train: int
+    n_calib: int
     n_eval: int
     n_dropped: int  # prompts over max_prompt_tokens
     max_tokens: int
@@ -188,9 +189,15 @@ def select_prompts(prompts: Sequence[RawPrompt], *, max_prompts: int, seed: int,
     return [p for i, p in enumerate(prompts) if i in keep]
 
 
-def split_ids(ids: Sequence[str], *, eval_fraction: float, seed: int, name: str) -> dict[str, str]:
-    """Fixed seeded train/eval split: ``round(n * eval_fraction)`` ids (at least 1 when n >= 2,
-    at most n - 1 unless eval_fraction == 1) go to eval. Depends only on the set of ids."""
+def split_ids(ids: Sequence[str], *, eval_fraction: float, seed: int, name: str, calib_prompts: int = 0) -> dict[str, str]:
+    """Fixed seeded split: ``round(n * eval_fraction)`` ids (at least 1 when n >= 2, at most n - 1
+    unless eval_fraction == 1) go to ``eval``; of the rest, ``calib_prompts`` (leaving at least one)
+    go to ``calib`` and the others to ``train``. Depends only on the set of ids; the eval ids do not
+    depend on ``calib_prompts``.
+
+    ``train`` trains the draft head; ``calib`` (never seen by the head) feeds everything that is
+    fitted to the head's acceptance: posterior records (hence the oracle, the policy, Sequoia and
+    routing) and the EAGLE-3 grid search; ``eval`` is only decoded by `evaluate`/`measure_drafter`."""
     ordered = sorted(set(ids))
     if len(ordered) != len(ids):
         raise ValueError(f"workload {name}: duplicate prompt ids")
@@ -200,7 +207,9 @@ def split_ids(ids: Sequence[str], *, eval_fraction: float, seed: int, name: str)
         n_eval = max(1, n_eval if eval_fraction >= 1 else min(n - 1, n_eval))
     random.Random(f"split/{seed}/{name}").shuffle(ordered)
     eval_ids = set(ordered[:n_eval])
-    return {i: ("eval" if i in eval_ids else "train") for i in ids}
+    n_calib = max(0, min(calib_prompts, n - n_eval - 1))
+    calib_ids = set(ordered[n_eval : n_eval + n_calib])
+    return {i: ("eval" if i in eval_ids else "calib" if i in calib_ids else "train") for i in ids}
 
 
 # ---------------------------------------------------------------- rendering and writing
@@ -229,7 +238,8 @@ def build_table(name: str, prompts: Sequence[RawPrompt], *, wcfg: Mapping, seed:
         rows.append((p, rendered, n_tokens))
     if not rows:
         raise ValueError(f"workload {name}: every prompt is longer than max_prompt_tokens={wcfg['max_prompt_tokens']}")
-    splits = split_ids([p.prompt_id for p, _, _ in rows], eval_fraction=wcfg["eval_fraction"], seed=seed, name=name)
+    splits = split_ids([p.prompt_id for p, _, _ in rows], eval_fraction=wcfg["eval_fraction"], seed=seed, name=name,
+                       calib_prompts=wcfg["calib_prompts"])
     frame = pl.DataFrame(
         {
             "workload": [name] * len(rows),
@@ -270,8 +280,8 @@ def prepare_workloads(*, config: Mapping, tokenizer, out_dir: Path) -> Workloads
         frame, dropped = build_table(name, prompts, wcfg=wcfg, seed=seed, tokenizer=tokenizer)
         path = out_dir / f"{name}.parquet"
         write_parquet_atomic(frame, path)
-        n_eval = int((frame["split"] == "eval").sum())
+        n_eval, n_calib = (int((frame["split"] == s).sum()) for s in ("eval", "calib"))
         tables.append(
-            WorkloadTable(name, path, frame.height - n_eval, n_eval, dropped, int(frame["n_tokens"].max()))
+            WorkloadTable(name, path, frame.height - n_eval - n_calib, n_calib, n_eval, dropped, int(frame["n_tokens"].max()))
         )
     return WorkloadsResult(out_dir=out_dir, tables=tuple(tables))

@@ -184,10 +184,10 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ inference
 
     @torch.inference_mode()
-    def step(self, tokens, feat, positions, keys, values, start: int, mask):
+    def step(self, tokens, feat, positions, keys, values, start: int, mask, *, with_logits: bool = True):
         """One forward over m new rows (written at cache rows start..start+m).
         tokens [m], feat [m, D], positions [m]; keys/values [1, KV, max_len, hd]; mask [m, start+m] bool or None.
-        Returns (layer outputs [m, D], draft logits [m, V'])."""
+        Returns (layer outputs [m, D], draft logits [m, V'] or None without `with_logits`)."""
         m = tokens.shape[0]
         x = self.fused_input(tokens, feat)[None]  # [1, m, D]
         cos, sin = self.rope(positions[None], x.dtype)
@@ -199,4 +199,4 @@ class EagleHead(nn.Module):
             attn_mask=None if mask is None else mask[None, None], enable_gqa=q.shape[1] != k.shape[1],
         )  # [1, H, m, hd]
         out = self.finish(x, attn)[0]  # [m, D]
-        return out, self.logits(out)
+        return out, self.logits(out) if with_logits else None

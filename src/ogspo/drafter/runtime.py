@@ -72,9 +72,22 @@ class EagleDrafter(TreeDrafter):
             return self.head.fc(out.features[rows].float())  # [r, D]
 
     def begin(self, prompt: list[int], target: ForwardOut | None) -> None:
-        self.cache.reset()
-        self.back_feats = [self._features(target, slice(0, len(prompt)))]
-        self.back_tokens = list(prompt[1:])
+        """The drafter's own prefill: encode the pairs (f_t, x_{t+1}) of the prompt now, so that the
+        first cycle (and a same-trace re-run of any recorded cycle) costs what any cycle costs; the
+        last pair waits for its token, the root of the first cycle."""
+        c = self.cache
+        c.reset()
+        feats = self._features(target, slice(0, len(prompt)))  # [L, D]
+        n = len(prompt) - 1
+        if n > 0:
+            start = c.reserve(n)
+            mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril_()  # causal over the prompt
+            with torch.inference_mode():
+                self.head.step(torch.tensor(prompt[1:]), feats[:n], torch.arange(start, start + n), c.keys[0], c.values[0],
+                               start, mask, with_logits=False)
+            c.commit_prefix(n)
+        self.back_feats = [feats[n:]]
+        self.back_tokens = []
         self.node_row = np.zeros(0, dtype=np.int64)
         self.node_out = {}
 

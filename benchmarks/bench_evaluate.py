@@ -1,0 +1,78 @@
+"""Benchmark: every method side by side on held-out prompts, from the workflow's `evaluate` stage.
+
+    PATH=.venv/bin:$PATH python benchmarks/bench_evaluate.py [--report results/cpu/report] [--write]
+
+The measurement itself is the DAG's `evaluate` rule (methods interleaved request by request in a
+rotated order on one target and one drafter, T=0 and T=1, with the lossless check); this script
+renders its `report/summary.json` (throughput medians with IQR, speedups over autoregressive,
+OGSPO / tuned EAGLE-3 ratios, time split) into docs/BENCHMARKS.md, with the run's settings and
+stage durations (Snakemake `benchmark:` files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+
+
+def stage_seconds(bench_dir: Path) -> dict[str, float]:
+    out = {}
+    for f in sorted(bench_dir.glob("*.tsv")):
+        rows = list(csv.DictReader(f.open(), delimiter="\t"))
+        if rows:
+            out[f.stem] = float(rows[-1]["s"])
+    return out
+
+
+def settings_line(cfg: dict) -> str:
+    if not cfg:
+        return "see config/default.yaml, section evaluate"
+    n = sorted({len(v) for v in cfg.get("prompts", {}).values()})
+    names = ", ".join(m["name"] for m in cfg.get("methods", []))
+    return (f"{'/'.join(map(str, n))} eval prompts per workload x {cfg.get('max_new_tokens')} new tokens x "
+            f"{cfg.get('repeats')} repeat(s), T = {', '.join(f'{t:g}' for t in cfg.get('temperatures', []))}; methods: {names}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report", type=Path, default=REPO / "results" / "cpu" / "report")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+
+    from ogspo.report import render_report
+
+    doc = json.loads((args.report / "summary.json").read_text())
+    results = args.report.parent
+    cfg = json.loads((results / "evaluate" / "summary.json").read_text()).get("settings", {})
+    body = render_report(rows=doc["rows"], ratios=doc["ogspo_vs_eagle_tuned"]["by_temperature"], lossless=doc["lossless"],
+                         missing=[], plots=[], limits=doc["limits"], tuned=doc["eagle_tuned"])
+    body = body.split("\n## Plots")[0].replace("# ogspo evaluation report\n", "")
+    body = body.replace("\n## ", "\n### ")
+    stages = stage_seconds(results / "benchmarks")
+    cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_evaluate.py " + " ".join(sys.argv[1:])
+    lines = [
+        "## Evaluation: every method side by side (`rules/evaluate.smk`, `benchmarks/bench_evaluate.py`)",
+        "",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()})",
+        f"- reproduce: `make run` (default config), then `{cmd.strip()}`",
+        f"- settings: {settings_line(cfg)}",
+        "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + f"; sum {sum(stages.values()):.0f} s",
+        body,
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section("bench_evaluate", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

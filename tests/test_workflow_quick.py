@@ -1,0 +1,41 @@
+"""The whole DAG end to end on the quick config (CI runs it through `make test`): every stage from
+the prepared SmolLM2 to the report, with the lossless check of `evaluate` inside. ~4 minutes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
+    device = f"ci-{tmp_path.name}"
+    override = tmp_path / "ci.yaml"  # the model prepared once for the tests, not the GGUF again
+    override.write_text(f"device: {device}\nmodel: {{gguf_package: null, gguf_file: null, path: {smollm2_dir}}}\n")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    out = REPO / "results" / device
+    try:
+        proc = subprocess.run(
+            [str(Path(sys.executable).parent / "snakemake"), "--profile", "profiles/default",
+             "--configfile", "config/quick.yaml", str(override)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        summary = json.loads((out / "report" / "summary.json").read_text())
+        assert summary["lossless"]["checked"] > 0 and summary["lossless"]["mismatches"] == 0
+        methods = {r["method"] for r in summary["rows"]}
+        assert {"ar", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy"} <= methods
+        assert {r["temperature"] for r in summary["rows"]} == {0.0, 1.0}
+        for row in summary["rows"]:
+            for key in ("throughput", "tau", "speedup", "vs_eagle_tuned", "predicted_throughput", "time_split"):
+                assert row[key] is not None, (row["method"], key)
+        assert (out / "report" / "report.md").is_file() and (out / "report" / "throughput.png").is_file()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
