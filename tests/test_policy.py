@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from policy_helpers import threshold_head
 from engine_helpers import hf_greedy, tiny_model
 from solve_helpers import synthetic_latency
 from ogspo.engine.decode import SpeculativeEngine
@@ -54,20 +55,6 @@ def _constant_head(value: float) -> PolicyHead:
         for p in head.net.parameters():
             p.zero_()
         head.net[-1].bias.fill_(value)
-    return head.eval()
-
-
-def _threshold_head(feature: str, threshold: float) -> PolicyHead:
-    """advantage = x[feature] - threshold (continue while the feature is above the threshold)."""
-    head = PolicyHead(N_FEATURES, 2)
-    i = FEATURE_NAMES.index(feature)
-    with torch.no_grad():
-        for p in head.net.parameters():
-            p.zero_()
-        head.net[0].weight[0, i], head.net[0].bias[0] = 1.0, -threshold
-        head.net[0].weight[1, i], head.net[0].bias[1] = -1.0, threshold
-        head.net[2].weight[0, 0], head.net[2].weight[1, 1] = 1.0, 1.0
-        head.net[4].weight[0, 0], head.net[4].weight[0, 1] = 1.0, -1.0
     return head.eval()
 
 
@@ -215,7 +202,7 @@ def test_bad_policy_files_give_one_line_errors(tmp_path):
 
 
 def test_ogspo_method_is_lossless_at_temperature_zero(tmp_path):
-    export_policy(head=_threshold_head("max_cum_prob", 0.5), path=tmp_path / "policy.onnx", structure=SUB, lam=1.0)
+    export_policy(head=threshold_head("max_cum_prob", 0.5), path=tmp_path / "policy.onnx", structure=SUB, lam=1.0)
     write_structure(SUB, tmp_path / "structure.json")
     target_model = tiny_model(0)
     target = build_tree_lm(target_model, max_len=256)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ogspo.rounds as rounds_mod
+from policy_helpers import threshold_head
 from engine_helpers import hf_greedy, tiny_model
 from solve_helpers import synthetic_latency
 from ogspo.engine.decode import SpeculativeEngine
@@ -51,20 +52,6 @@ def records(request, tmp_path_factory):
     return out
 
 
-def _threshold_head(feature: str, threshold: float) -> PolicyHead:
-    """advantage = x[feature] - threshold (continue while the feature is above the threshold)."""
-    head = PolicyHead(N_FEATURES, 2)
-    i = FEATURE_NAMES.index(feature)
-    with torch.no_grad():
-        for p in head.net.parameters():
-            p.zero_()
-        head.net[0].weight[0, i], head.net[0].bias[0] = 1.0, -threshold
-        head.net[0].weight[1, i], head.net[0].bias[1] = -1.0, threshold
-        head.net[2].weight[0, 0], head.net[2].weight[1, 1] = 1.0, 1.0
-        head.net[4].weight[0, 0], head.net[4].weight[0, 1] = 1.0, -1.0
-    return head.eval()
-
-
 def _run(records_dir, decide, *, epsilon, structure=SUB, max_new_tokens=MAX_NEW, requests=("p0", "p1", "p2")):
     rec = load_records(records_dir)
     data = offline_states(records=rec, structure=structure, latency=synthetic_latency())
@@ -76,7 +63,7 @@ def _run(records_dir, decide, *, epsilon, structure=SUB, max_new_tokens=MAX_NEW,
 def test_same_trace_without_exploration_reproduces_the_records(records):
     """eps = 0: every executed cycle stops where the offline policy stops and commits what the replay says
     (tokens too at T=0; the accepted drafted tokens at T=1, where the bonus depends on the tree)."""
-    head = _threshold_head("max_cum_prob", 0.3)
+    head = threshold_head("max_cum_prob", 0.3)
     rec, data, frame = _run(records, lambda f: bool(head.advantage(f)[0] <= 0), epsilon=0.0)
     assert frame.height == rec.cycles.height  # every cycle of the 3 requests is within MAX_NEW tokens
     assert frame["tokens_agree"].all()
