@@ -7,7 +7,6 @@ import json
 import numpy as np
 import polars as pl
 import pytest
-import torch
 
 import ogspo.rounds as rounds_mod
 from policy_helpers import threshold_head
@@ -19,7 +18,7 @@ from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.export import load_policy_dir, run_export_policy
 from ogspo.methods import make_policy
-from ogspo.policy import FEATURE_NAMES, N_FEATURES, PolicyHead, load_head, offline_states, policy_depths
+from ogspo.policy import N_FEATURES, load_head, offline_states, policy_depths
 from ogspo.records import collect_records, load_records
 from ogspo.rounds import (
     SameTraceSetup, SameTraceSummary, improves, propensity, run_rounds, run_rounds_stage, same_trace,
