@@ -1,4 +1,4 @@
-"""Hand-set policy heads shared by the policy and rounds tests."""
+"""Hand-set policy heads shared by the policy, rounds and evaluate tests."""
 
 import torch
 

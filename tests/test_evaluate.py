@@ -16,7 +16,7 @@ from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.engine.verify import Verdict
 from ogspo.export import export_policy, write_structure
-from test_policy import _threshold_head
+from policy_helpers import threshold_head
 from ogspo.evaluate import (
     LosslessError, evaluate_methods, method_specs, rotated_order, summarize_requests, tune_eagle, write_evaluation,
     write_tuning,
@@ -47,7 +47,7 @@ def _artifacts(tmp_path, *, tuned=True):
         # an OGSPO policy folder: the structure plus a head that continues while max_cum_prob > 0.5
         pol = tmp_path / "policy" / tag
         pol.mkdir(parents=True, exist_ok=True)
-        export_policy(head=_threshold_head("max_cum_prob", 0.5), path=pol / "policy.onnx", structure=OGSPO_S, lam=1.0)
+        export_policy(head=threshold_head("max_cum_prob", 0.5), path=pol / "policy.onnx", structure=OGSPO_S, lam=1.0)
         write_structure(OGSPO_S, pol / "structure.json")
     return {"sequoia": str(tmp_path / "{T}" / "structure.json"), "eagle-tuned": str(tmp_path / "tune_{T}.json"),
             "ogspo": str(tmp_path / "policy" / "{T}"), "ogspo-structure": str(tmp_path / "policy" / "{T}" / "structure.json")}
