@@ -9,7 +9,7 @@ rule train_drafter:
     output:
         directory(f"{RESULTS}/drafter"),
     params:
-        config=config_json(config, "drafter", "seed"),
+        config=config_json(config, "drafter", "seed", "workloads"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
         work_dir=f"{RESULTS}/work/drafter",
     log:

@@ -100,3 +100,66 @@ def test_packed_generation_equals_greedy_and_teacher_forcing():
         assert int(s.top_ids[-1, 0]) == ref[6]
         torch.testing.assert_close(s.feats.float(), f.feats.float(), atol=1e-2, rtol=0)
         torch.testing.assert_close(s.top_p.float(), f.top_p.float(), atol=1e-3, rtol=0)
+
+
+def test_batched_generation_equals_greedy_and_teacher_forcing():
+    """Batched continuations (left-padded rows, one forward per step) equal transformers' greedy
+    decoding and a teacher-forced pass; an EOS ends a row before it; sampling is seeded."""
+    from ogspo.drafter.data import annotate, generate_batched
+
+    model = tiny_model(3, vocab=64, layers=3)
+    prompts = [[1, 2, 3], [5, 9, 9, 4, 2, 7], [8], [3, 3, 3, 3], [6, 1]]
+    lm = build_tree_lm(model, max_len=40, feature_layers=(0, 1))
+    out = generate_batched(lm, prompts, max_new_tokens=7, batch=3, top_k=4, eos_token_id=None)
+    forced = annotate(model, [s.tokens.tolist() for s in out], feature_layers=(0, 1), top_k=4, batch_tokens=64)
+    for p, s, f in zip(prompts, out, forced):
+        ref = hf_greedy(model, p, 7)
+        assert s.tokens.tolist() == p + ref[:6]
+        assert int(s.top_ids[-1, 0]) == ref[6]
+        torch.testing.assert_close(s.feats.float(), f.feats.float(), atol=1e-2, rtol=0)
+        torch.testing.assert_close(s.top_p.float(), f.top_p.float(), atol=1e-3, rtol=0)
+    eos = hf_greedy(model, prompts[1], 7)[2]  # the third token of prompt 1's continuation
+    cut = generate_batched(lm, prompts, max_new_tokens=7, batch=5, top_k=4, eos_token_id=eos)
+    assert cut[1].tokens.tolist() == prompts[1] + hf_greedy(model, prompts[1], 2)
+    assert all(eos not in s.tokens[len(p):].tolist() for p, s in zip(prompts, cut))
+    a = generate_batched(lm, prompts, max_new_tokens=7, batch=2, top_k=4, eos_token_id=None, temperature=1.0, seed=5)
+    b = generate_batched(lm, prompts, max_new_tokens=7, batch=2, top_k=4, eos_token_id=None, temperature=1.0, seed=5)
+    assert [s.tokens.tolist() for s in a] == [s.tokens.tolist() for s in b]
+    assert [s.tokens.tolist() for s in a] != [s.tokens.tolist() for s in out]
+
+
+class _CharTokenizer:
+    """Bytes as token ids; a chat template that wraps the request in markers."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": list(text.encode())})()
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return f"<user>{messages[0]['content']}<assistant>"
+
+
+def test_corpus_prompts_skip_workload_prompts(tmp_path):
+    """Extra fortunes never repeat a workload prompt; each corpus text gives a plain and a chat prompt."""
+    import polars as pl
+
+    from ogspo.drafter.data import corpus_prompts, stdlib_functions
+
+    fdir = tmp_path / "fortunes"
+    fdir.mkdir()
+    entries = [f"Fortune number {i} says that patience is a virtue. And then it goes on for a while longer." for i in range(5)]
+    (fdir / "wisdom").write_text("\n%\n".join(entries) + "\n")
+    wl = tmp_path / "workloads"
+    wl.mkdir()
+    pl.DataFrame({"prompt_id": ["fortunes/wisdom/0", "fortunes/wisdom/3"]}).write_parquet(wl / "fortunes.parquet")
+    tok = _CharTokenizer()
+    out = corpus_prompts(workloads_dir=wl, fortunes_dir=fdir, tokenizer=tok, fortunes=10, functions=0, seed=0)
+    texts = [bytes(p).decode() for p in out]
+    assert len(texts) == 6  # 3 unused fortunes, each plain and as a chat request
+    assert not any("number 0" in t or "number 3" in t for t in texts)
+    assert sum(t.startswith("<user>") for t in texts) == 3
+    funcs = stdlib_functions(max_functions=5, seed=0)
+    assert len(funcs) == 5 and all(src.startswith("def ") and doc for _, doc, src in funcs)
+    code = corpus_prompts(workloads_dir=wl, fortunes_dir=None, tokenizer=tok, fortunes=0, functions=5, seed=0)
+    assert len(code) == 10
+    with pytest.raises(ValueError, match="extra_fortunes needs"):
+        corpus_prompts(workloads_dir=wl, fortunes_dir=None, tokenizer=tok, fortunes=1, functions=0, seed=0)

@@ -296,9 +296,10 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
 def _run_train_drafter(args: argparse.Namespace) -> int:
     from ogspo.drafter.train import train_drafter
 
-    cfg = _load_config(args, ("drafter", "seed"))
+    cfg = _load_config(args, ("drafter", "seed", "workloads"))
+    fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
     r = train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
-                      config=cfg["drafter"], seed=cfg["seed"])
+                      fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"])
     print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
           f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
     return 0

@@ -5,6 +5,7 @@ next-token distributions from teacher-forced prefill passes. Eval prompts are ne
 
 from __future__ import annotations
 
+import ast
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,16 @@ CHAT_VARIANTS = {
     "humaneval": "Complete the following Python function and explain it briefly:\n\n{text}",
     "fortunes": "Continue this thought in a few sentences: {text}",
 }
+# Chat requests around corpus text (extra prompts), used in turn.
+FORTUNE_QUESTIONS = (
+    "Continue this thought in a few sentences: {text}",
+    "What does this saying mean, and do you agree with it? \"{text}\"",
+    "Write a short story that begins with: {text}",
+)
+FUNCTION_QUESTIONS = (
+    "Explain what the following Python function does:\n\n{text}",
+    "Write a Python function `{name}` that does the following: {doc}",
+)
 
 
 @dataclass
@@ -67,6 +78,58 @@ def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int) -> 
             total += len(out[-1])
             if total >= max_tokens:
                 return out
+    return out
+
+
+def stdlib_functions(*, max_functions: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str, str]]:
+    """(name, first docstring paragraph, source through the docstring) of documented top-level functions
+    of the Python standard library: HumanEval-shaped code prompts. A seeded sample, in file order."""
+    if max_functions <= 0:
+        return []
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000):
+        src = path.read_text(errors="replace")
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if not doc or node.name.startswith("_") or len(doc) < 20:
+                continue
+            text = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno]) + "\n"
+            if len(text) <= max_chars:
+                out.append((node.name, " ".join(doc.strip().split("\n\n")[0].split()), text))
+    rng = np.random.default_rng(seed)
+    keep = sorted(rng.permutation(len(out))[:max_functions].tolist())
+    return [out[i] for i in keep]
+
+
+def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer, fortunes: int, functions: int,
+                   seed: int) -> list[list[int]]:
+    """Extra training prompts from corpora on every machine, never a workload prompt: fortunes the
+    workloads did not select (as continuation prompts and as chat requests) and documented functions of
+    the standard library (as code prompts and as chat requests), `fortunes` and `functions` of each."""
+    from ogspo.workloads import read_fortunes
+
+    out: list[list[int]] = []
+    if fortunes > 0:
+        if fortunes_dir is None:
+            raise ValueError("extra_fortunes needs workloads.fortunes.dir (the fortunes folder)")
+        used = set()
+        for path in Path(workloads_dir).glob("*.parquet"):
+            used |= set(pl.read_parquet(path, columns=["prompt_id"])["prompt_id"].to_list())
+        pool = [p for p in read_fortunes(Path(fortunes_dir)) if p.prompt_id not in used]
+        rng = np.random.default_rng(seed)
+        for j, i in enumerate(sorted(rng.permutation(len(pool))[:fortunes].tolist())):
+            text = pool[i].text
+            out.append(tokenizer(text, add_special_tokens=False).input_ids)
+            out.append(chat_ids(tokenizer, FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)))
+    for j, (name, doc, text) in enumerate(stdlib_functions(max_functions=functions, seed=seed)):
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+        out.append(chat_ids(tokenizer, FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)))
     return out
 
 
@@ -148,6 +211,72 @@ def generate_annotated(
                 top_p=torch.cat([t[1] for t in tops[j]]),
             )
         bar.update(len(idx))
+    bar.close()
+    return out  # type: ignore[return-value]
+
+
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids (int32) and probabilities (float16) of the softmax over the last dim."""
+    top = torch.softmax(logits.float(), -1).topk(k, dim=-1)
+    return top.indices.to(torch.int32), top.values.to(torch.float16)
+
+
+@torch.inference_mode()
+def generate_batched(
+    lm, prompts: list[list[int]], *, max_new_tokens: int, batch: int, top_k: int, eos_token_id: int | None,
+    temperature: float = 0.0, seed: int = 0,
+) -> list[Sequence]:
+    """The target's continuation of each prompt (greedy, or sampled at `temperature`), with its
+    features and top-K next-token distribution at every position, from the generation passes.
+
+    Prompts, shortest first, decode `batch` at a time with a batch dimension (`lm.forward_batch`,
+    the Llama backend): left-padded to a common length, each row attending to its own rows only.
+    The last emitted token (EOS or the token at `max_new_tokens`) is never fed back: the sequence
+    ends before it, and its distribution is the target's at the last position."""
+    gen = torch.Generator().manual_seed(seed)
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    out: list[Sequence | None] = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt")
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        B, P = len(idx), max(len(prompts[i]) for i in idx)
+        tokens = torch.zeros(B, P, dtype=torch.long)
+        positions = torch.zeros(B, P, dtype=torch.long)
+        valid = torch.ones(B, P + max_new_tokens, dtype=torch.bool)
+        for r, i in enumerate(idx):
+            n = len(prompts[i])
+            tokens[r, P - n :] = torch.tensor(prompts[i])
+            positions[r, P - n :] = torch.arange(n)
+            valid[r, : P - n] = False
+        cache = lm.new_batch_cache(B, P + max_new_tokens)
+        fwd = lm.forward_batch(tokens, positions, cache, valid)
+        feats, tops = [fwd.features.to(torch.float16)], [_top(fwd.logits, top_k)]  # [B, P, ...]
+        fed = torch.zeros(B, dtype=torch.long)  # continuation tokens fed back per row
+        alive = torch.ones(B, dtype=torch.bool)
+        last = positions[:, -1]
+        for _ in range(max_new_tokens - 1):
+            logits = fwd.logits[:, -1]  # [B, vocab]
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            if eos_token_id is not None:
+                alive &= nxt != eos_token_id
+            if not alive.any():
+                break
+            fed += alive
+            last = last + 1
+            fwd = lm.forward_batch(nxt[:, None], last[:, None], cache, valid)
+            tokens = torch.cat([tokens, nxt[:, None]], 1)  # [B, P + steps]
+            feats.append(fwd.features.to(torch.float16))
+            tops.append(_top(fwd.logits, top_k))
+        feats_all = torch.cat(feats, 1)  # [B, P + steps, F]
+        ids_all, p_all = torch.cat([t[0] for t in tops], 1), torch.cat([t[1] for t in tops], 1)
+        for r, i in enumerate(idx):
+            a, b = P - len(prompts[i]), P + int(fed[r])
+            out[i] = Sequence(tokens=tokens[r, a:b].to(torch.int32), feats=feats_all[r, a:b].clone(),
+                              top_ids=ids_all[r, a:b].clone(), top_p=p_all[r, a:b].clone())
+        bar.update(B)
     bar.close()
     return out  # type: ignore[return-value]
 

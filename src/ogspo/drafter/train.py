@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import Sequence, annotate, draft_vocabulary, generate_annotated, stdlib_sequences, train_prompts
+from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generate_annotated, generate_batched,
+                   stdlib_sequences, train_prompts)
 from .head import EagleHead, HeadConfig
 from .runtime import META, WEIGHTS
 
@@ -31,10 +32,13 @@ DEFAULTS = dict(
     draft_vocab=8192,
     max_new_tokens=96,
     chat_variants=True,
+    extra_fortunes=0,  # fortunes outside the workloads, each as a continuation prompt and a chat request
+    extra_functions=0,  # documented standard-library functions, each as a code prompt and a chat request
+    sampled=0,  # sampled (T=1) continuations per prompt, besides the greedy one
     prompts_per_workload=0,  # 0 = all train prompts
     stdlib_tokens=30000,
-    gen_pack=16,  # prompts decoded together in one packed cache
-    gen_rows=4096,  # cache rows of a pack (prompts + continuations)
+    gen_batch=64,  # prompts the target continues together (batch rows, or one packed cache)
+    gen_rows=4096,  # cache rows of a pack, for targets without a batched forward
     annotate_batch_tokens=4096,
     top_k=10,
     seq_len=256,
@@ -71,15 +75,19 @@ def _atomic_torch_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def build_data(*, model, tokenizer, workloads_dir: Path, cfg: dict, head_cfg: HeadConfig, seed: int, work_dir: Path) -> list[Sequence]:
-    gen_key = {k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "top_k")} | {
-        "version": 3, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
+def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict, head_cfg: HeadConfig,
+               seed: int, work_dir: Path) -> list[Sequence]:
+    gen_key = {k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "top_k", "extra_fortunes",
+                                   "extra_functions", "sampled")} | {
+        "version": 4, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
     key = _hash(gen_key | {k: cfg[k] for k in ("stdlib_tokens", "seq_len")} | {"seed": seed})
     cache = work_dir / f"data-{key}.pt"
     if cache.is_file():
         return torch.load(cache, weights_only=False)
     prompts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
                             max_per_workload=cfg["prompts_per_workload"] or None)
+    prompts += corpus_prompts(workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, tokenizer=tokenizer,
+                              fortunes=cfg["extra_fortunes"], functions=cfg["extra_functions"], seed=seed)
     gen_cache = work_dir / f"generated-{_hash(gen_key)}.pt"  # the expensive part, kept on its own
     if gen_cache.is_file():
         data = torch.load(gen_cache, weights_only=False)
@@ -88,8 +96,15 @@ def build_data(*, model, tokenizer, workloads_dir: Path, cfg: dict, head_cfg: He
 
         rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
         lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
-        data = generate_annotated(lm, prompts, max_new_tokens=cfg["max_new_tokens"], pack=cfg["gen_pack"],
-                                  top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
+        kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
+        if hasattr(lm, "forward_batch"):
+            data = generate_batched(lm, prompts, batch=cfg["gen_batch"], **kw)
+            for k in range(cfg["sampled"]):
+                data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
+        elif cfg["sampled"]:
+            raise ValueError(f"drafter.sampled needs a target with a batched forward (Llama-like), not '{model.config.model_type}'")
+        else:
+            data = generate_annotated(lm, prompts, pack=cfg["gen_batch"], **kw)
         del lm
         _atomic_torch_save(data, gen_cache)
     code = stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed)
@@ -183,6 +198,7 @@ def train_drafter(
     workloads_dir: Path,
     out_dir: Path,
     work_dir: Path,
+    fortunes_dir: Path | None = None,
     config: dict | None = None,
     seed: int = 0,
 ) -> TrainResult:
@@ -199,7 +215,7 @@ def train_drafter(
     head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
 
     t0 = time.perf_counter()
-    seqs = build_data(model=model, tokenizer=tokenizer, workloads_dir=workloads_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, work_dir=work_dir)
+    seqs = build_data(model=model, tokenizer=tokenizer, workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, work_dir=work_dir)
     data_s = time.perf_counter() - t0
 
     d2t = draft_vocabulary(seqs, size=head_cfg.draft_vocab, vocab=head_cfg.vocab, always=[tokenizer.eos_token_id])

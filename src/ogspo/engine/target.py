@@ -76,6 +76,16 @@ class KVCache:
         self.pending = 0
 
 
+@dataclass
+class BatchKVCache:
+    """Keys/values of B sequences side by side: [B, kv_heads, max_len, head_dim] per layer; rows
+    0..length are filled (padding rows included, masked by the caller's `valid`)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+
 class TreeLM:
     """Interface of a model that runs tree forwards over a committed KV cache."""
 
@@ -232,6 +242,57 @@ class LlamaTreeLM(TreeLM):
             h = h[logits_rows]
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [m, n_feat * dim]
         return ForwardOut(logits=lm_head(h, self.lm_head), features=features)
+
+
+    def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
+        if max_len > self.max_len:
+            raise ValueError(f"sequence of {max_len} tokens exceeds the rope table of {self.max_len}")
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        z = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        return BatchKVCache(keys=[z() for _ in self.layers], values=[z() for _ in self.layers])
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens, positions, cache: BatchKVCache, valid) -> ForwardOut:
+        """Causal forward of B sequences side by side (no tree, no shared rows): tokens and positions
+        [B, m] fill rows cache.length..+m of every sequence; `valid` [B, >= length + m] bool marks
+        real rows (False = left padding, never attended to). Logits [B, m, vocab], features
+        [B, m, n_feat * dim]. A padding row attends to itself only, so every row stays finite."""
+        B, m = tokens.shape
+        start = cache.length
+        end = start + m
+        hd, H, KV = self.head_dim, self.n_heads, self.kv_heads
+        cos = self.cos[positions][:, None]  # [B, 1, m, hd]
+        sin = self.sin[positions][:, None]
+        new = torch.ones(m, m, dtype=torch.bool).tril_() & valid[:, None, start:end]  # [B, m, m]
+        new |= torch.eye(m, dtype=torch.bool)
+        mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]
+        x = F.embedding(tokens, self.embed)  # [B, m, dim]
+        feats: dict[int, torch.Tensor] = {}
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = h @ L["wqkv_t"]  # [B, m, (H + 2KV) * hd]
+            if L["bqkv"] is not None:
+                qkv = qkv + L["bqkv"]
+            q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
+            k = qkv[..., H * hd : (H + KV) * hd].view(B, m, KV, hd).transpose(1, 2)  # [B, KV, m, hd]
+            v = qkv[..., (H + KV) * hd :].view(B, m, KV, hd).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.keys[i][:, :, start:end] = k
+            cache.values[i][:, :, start:end] = v
+            o = F.scaled_dot_product_attention(
+                q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end], attn_mask=mask, enable_gqa=H != KV
+            )  # [B, H, m, hd]
+            x = x + o.transpose(1, 2).reshape(B, m, H * hd) @ L["wo_t"]  # [B, m, dim]
+            h = self._rms(x, L["ln2"])
+            g, u = (h @ L["wgu_t"]).chunk(2, dim=-1)  # [B, m, inter] each
+            x = x + (F.silu(g) * u) @ L["wd_t"]
+            if i in self.feature_layers:
+                feats[i] = x
+        cache.length = end
+        h = self._rms(x, self.norm)
+        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
+        return ForwardOut(logits=F.linear(h, self.lm_head), features=features)
 
 
 class _PreallocatedLayer:
