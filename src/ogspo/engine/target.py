@@ -202,47 +202,54 @@ class LlamaTreeLM(TreeLM):
         var = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(var + self.eps) * w
 
+    def _layers(self, x, cos, sin, keys, values, start: int, attn_mask):
+        """The decoder layers over B sequences of m new tokens: x [B, m, dim], cos/sin [B, 1, m, hd];
+        keys/values: per-layer caches [B, KV, max_len, hd] whose rows start..start+m are written here;
+        attn_mask [B or 1, 1, m, start + m] bool or None (causal single token). Returns the final
+        hidden state [B, m, dim] (before the norm) and the chosen feature layers' outputs."""
+        B, m, _ = x.shape
+        end = start + m
+        hd, H, KV = self.head_dim, self.n_heads, self.kv_heads
+        feats: dict[int, torch.Tensor] = {}
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = h @ L["wqkv_t"]  # [B, m, (H + 2KV) * hd]
+            if L["bqkv"] is not None:
+                qkv = qkv + L["bqkv"]
+            q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
+            k = qkv[..., H * hd : (H + KV) * hd].view(B, m, KV, hd).transpose(1, 2)  # [B, KV, m, hd]
+            v = qkv[..., (H + KV) * hd :].view(B, m, KV, hd).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys[i][:, :, start:end] = k
+            values[i][:, :, start:end] = v
+            o = F.scaled_dot_product_attention(
+                q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
+            )  # [B, H, m, hd]
+            x = x + o.transpose(1, 2).reshape(B, m, H * hd) @ L["wo_t"]  # [B, m, dim]
+            h = self._rms(x, L["ln2"])
+            g, u = (h @ L["wgu_t"]).chunk(2, dim=-1)  # [B, m, inter] each
+            x = x + (F.silu(g) * u) @ L["wd_t"]  # [B, m, dim]
+            if i in self.feature_layers:
+                feats[i] = x
+        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
+        return x, features
+
     @torch.inference_mode()
     def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
         c = self.cache
         m = tokens.shape[0]
         mask = self.full_mask(attend, m)  # [m, end+m] bool or None
         start = c.reserve(m)
-        end = start + m
-        hd, H, KV = self.head_dim, self.n_heads, self.kv_heads
         cos = self.cos[positions][None, None]  # [1, 1, m, hd]
         sin = self.sin[positions][None, None]
-        x = F.embedding(tokens, self.embed)  # [m, dim]
-        feats: dict[int, torch.Tensor] = {}
+        x = F.embedding(tokens, self.embed)[None]  # [1, m, dim]
         attn_mask = None if mask is None else mask[None, None]  # [1, 1, m, end]
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            qkv = h @ L["wqkv_t"]  # [m, (H + 2KV) * hd]
-            if L["bqkv"] is not None:
-                qkv = qkv + L["bqkv"]
-            q = qkv[:, : H * hd].view(m, H, hd).transpose(0, 1)[None]  # [1, H, m, hd]
-            k = qkv[:, H * hd : (H + KV) * hd].view(m, KV, hd).transpose(0, 1)[None]  # [1, KV, m, hd]
-            v = qkv[:, (H + KV) * hd :].view(m, KV, hd).transpose(0, 1)[None]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            c.keys[i][:, :, start:end] = k
-            c.values[i][:, :, start:end] = v
-            o = F.scaled_dot_product_attention(
-                q, c.keys[i][:, :, :end], c.values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
-            )  # [1, H, m, hd]
-            x = x + o[0].transpose(0, 1).reshape(m, H * hd) @ L["wo_t"]  # [m, dim]
-            h = self._rms(x, L["ln2"])
-            gu = h @ L["wgu_t"]  # [m, 2 * inter]
-            g, u = gu.chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ L["wd_t"]  # [m, dim]
-            if i in self.feature_layers:
-                feats[i] = x
-        h = self._rms(x, self.norm)
+        x, features = self._layers(x, cos, sin, c.keys, c.values, start, attn_mask)
+        h = self._rms(x[0], self.norm)  # [m, dim]
         if logits_rows is not None:
             h = h[logits_rows]
-        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [m, n_feat * dim]
-        return ForwardOut(logits=lm_head(h, self.lm_head), features=features)
-
+        return ForwardOut(logits=lm_head(h, self.lm_head), features=None if features is None else features[0])
 
     def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
         if max_len > self.max_len:
@@ -259,39 +266,15 @@ class LlamaTreeLM(TreeLM):
         [B, m, n_feat * dim]. A padding row attends to itself only, so every row stays finite."""
         B, m = tokens.shape
         start = cache.length
-        end = start + m
-        hd, H, KV = self.head_dim, self.n_heads, self.kv_heads
         cos = self.cos[positions][:, None]  # [B, 1, m, hd]
         sin = self.sin[positions][:, None]
-        new = torch.ones(m, m, dtype=torch.bool).tril_() & valid[:, None, start:end]  # [B, m, m]
+        new = torch.ones(m, m, dtype=torch.bool).tril_() & valid[:, None, start : start + m]  # [B, m, m]
         new |= torch.eye(m, dtype=torch.bool)
         mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]
         x = F.embedding(tokens, self.embed)  # [B, m, dim]
-        feats: dict[int, torch.Tensor] = {}
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            qkv = h @ L["wqkv_t"]  # [B, m, (H + 2KV) * hd]
-            if L["bqkv"] is not None:
-                qkv = qkv + L["bqkv"]
-            q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
-            k = qkv[..., H * hd : (H + KV) * hd].view(B, m, KV, hd).transpose(1, 2)  # [B, KV, m, hd]
-            v = qkv[..., (H + KV) * hd :].view(B, m, KV, hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            cache.keys[i][:, :, start:end] = k
-            cache.values[i][:, :, start:end] = v
-            o = F.scaled_dot_product_attention(
-                q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end], attn_mask=mask, enable_gqa=H != KV
-            )  # [B, H, m, hd]
-            x = x + o.transpose(1, 2).reshape(B, m, H * hd) @ L["wo_t"]  # [B, m, dim]
-            h = self._rms(x, L["ln2"])
-            g, u = (h @ L["wgu_t"]).chunk(2, dim=-1)  # [B, m, inter] each
-            x = x + (F.silu(g) * u) @ L["wd_t"]
-            if i in self.feature_layers:
-                feats[i] = x
-        cache.length = end
+        x, features = self._layers(x, cos, sin, cache.keys, cache.values, start, mask)
+        cache.length = start + m
         h = self._rms(x, self.norm)
-        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
         return ForwardOut(logits=F.linear(h, self.lm_head), features=features)
 
 
