@@ -163,8 +163,10 @@ class LlamaTreeLM(TreeLM):
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight
-        # Weights are stored transposed ([in, out], contiguous): on CPU, `x @ Wt` with 2-64 rows runs
-        # up to 3x faster than `F.linear(x, W)` (measured in benchmarks/bench_engine.py's notes).
+        # Each weight is kept in both layouts: on this CPU (MKL sgemm, 2 cores) `F.linear(x, W)` over
+        # [out, in] is the fastest kernel for 2-3 rows (a 2-token tree forward then costs about
+        # what a 1-token step does), `x @ Wt` over [in, out] for 1 row and 4-64 rows (up to 3x
+        # faster there); see `_matmul` and benchmarks/bench_engine.py.
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers[: n_layers or len(inner.layers)]:
@@ -172,17 +174,17 @@ class LlamaTreeLM(TreeLM):
                 bqkv = None
                 if a.q_proj.bias is not None:
                     bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-                self.layers.append(
-                    dict(
-                        ln1=layer.input_layernorm.weight,
-                        wqkv_t=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).t().contiguous(),
-                        bqkv=bqkv,
-                        wo_t=a.o_proj.weight.t().contiguous(),
-                        ln2=layer.post_attention_layernorm.weight,
-                        wgu_t=torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).t().contiguous(),
-                        wd_t=m.down_proj.weight.t().contiguous(),
-                    )
+                w = dict(
+                    wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0),  # [(H + 2KV) * hd, dim]
+                    wo=a.o_proj.weight,  # [dim, H * hd]
+                    wgu=torch.cat([m.gate_proj.weight, m.up_proj.weight], 0),  # [2 * inter, dim]
+                    wd=m.down_proj.weight,  # [dim, inter]
                 )
+                L = dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight)
+                for name, weight in w.items():
+                    L[name] = weight.contiguous()
+                    L[name + "_t"] = weight.t().contiguous()
+                self.layers.append(L)
         rot = inner.rotary_emb
         self.max_len = max_len
         self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
@@ -202,6 +204,14 @@ class LlamaTreeLM(TreeLM):
         var = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(var + self.eps) * w
 
+    def _matmul(self, h: torch.Tensor, L: dict, name: str) -> torch.Tensor:
+        """h [..., in] times weight `name` of layer L: the kernel depends only on the number of rows
+        (so a given forward shape always computes the same way)."""
+        rows = h.numel() // h.shape[-1]
+        if rows in (2, 3) and h.device.type == "cpu":
+            return F.linear(h, L[name])
+        return h @ L[name + "_t"]
+
     def _layers(self, x, cos, sin, keys, values, start: int, attn_mask):
         """The decoder layers over B sequences of m new tokens: x [B, m, dim], cos/sin [B, 1, m, hd];
         keys/values: per-layer caches [B, KV, max_len, hd] whose rows start..start+m are written here;
@@ -213,7 +223,7 @@ class LlamaTreeLM(TreeLM):
         feats: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            qkv = h @ L["wqkv_t"]  # [B, m, (H + 2KV) * hd]
+            qkv = self._matmul(h, L, "wqkv")  # [B, m, (H + 2KV) * hd]
             if L["bqkv"] is not None:
                 qkv = qkv + L["bqkv"]
             q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
@@ -226,10 +236,10 @@ class LlamaTreeLM(TreeLM):
             o = F.scaled_dot_product_attention(
                 q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
             )  # [B, H, m, hd]
-            x = x + o.transpose(1, 2).reshape(B, m, H * hd) @ L["wo_t"]  # [B, m, dim]
+            x = x + self._matmul(o.transpose(1, 2).reshape(B, m, H * hd), L, "wo")  # [B, m, dim]
             h = self._rms(x, L["ln2"])
-            g, u = (h @ L["wgu_t"]).chunk(2, dim=-1)  # [B, m, inter] each
-            x = x + (F.silu(g) * u) @ L["wd_t"]  # [B, m, dim]
+            g, u = self._matmul(h, L, "wgu").chunk(2, dim=-1)  # [B, m, inter] each
+            x = x + self._matmul(F.silu(g) * u, L, "wd")  # [B, m, dim]
             if i in self.feature_layers:
                 feats[i] = x
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
