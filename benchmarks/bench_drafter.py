@@ -29,6 +29,9 @@ def main() -> int:
     ap.add_argument("--workloads", type=Path, default=REPO / "results" / "cpu" / "workloads")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--trees", nargs="+", default=["60,5,10", "2,1,2", "1,1,1"],
+                    help="EAGLE-3 dynamic trees as total_tokens,depth,top_k")
+    ap.add_argument("--chain-depth", type=int, default=4)
     ap.add_argument("--from-json", type=Path, help="render a measurement the workflow already made "
                     "(results/cpu/drafter_eval/acceptance.json) instead of measuring again")
     ap.add_argument("--write", action="store_true")
@@ -42,16 +45,25 @@ def main() -> int:
                             expand_ms={int(k): v for k, v in d["expand_ms"].items()}, seconds=d["seconds"])
         args.prompts, args.tokens = d.get("prompts_per_workload", args.prompts), d.get("max_new_tokens", args.tokens)
     else:
+        try:
+            trees = tuple(tuple(int(x) for x in t.split(",")) for t in args.trees)
+        except ValueError:
+            ap.error(f"--trees takes total_tokens,depth,top_k triples such as 60,5,10; got {args.trees}")
+        if any(len(t) != 3 or min(t) < 1 for t in trees):
+            ap.error(f"--trees takes total_tokens,depth,top_k triples of positive integers; got {args.trees}")
         res = measure_drafter(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
-                              prompts_per_workload=args.prompts, max_new_tokens=args.tokens)
+                              prompts_per_workload=args.prompts, max_new_tokens=args.tokens, trees=trees,
+                              chain_depth=args.chain_depth)
     meta = json.loads((args.drafter / "drafter.json").read_text())
     m, tr = meta["metrics"], meta["train"]
-    best = {}
+    best, fastest = {}, {}
     for f in res.figures:
         if f.method.startswith("eagle"):
             key = (f.workload, f.temperature)
             if key not in best or f.tau > best[key].tau:
                 best[key] = f
+            if key not in fastest or f.speedup > fastest[key].speedup:
+                fastest[key] = f
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_drafter.py " + " ".join(sys.argv[1:])
     lines = [
         "## EAGLE-3-style head on held-out prompts (`benchmarks/bench_drafter.py`)",
@@ -72,6 +84,12 @@ def main() -> int:
     ]
     for (w, t), f in sorted(best.items()):
         lines.append(f"| {w} | {t:g} | {f.method} | {f.tau:.2f} | {f.speedup:.2f}x |")
+    lines += ["", "Fastest EAGLE-3 dynamic tree per workload and temperature (median per-prompt throughput ratio "
+              "to autoregressive decoding, side by side):", "",
+              "| workload | T | fastest tree | tau | tokens/s | ar tokens/s | speedup vs ar |", "|---|---:|---|---:|---:|---:|---:|"]
+    ar = {(f.workload, f.temperature): f for f in res.figures if f.method == "ar"}
+    for (w, t), f in sorted(fastest.items()):
+        lines.append(f"| {w} | {t:g} | {f.method} | {f.tau:.2f} | {f.throughput:.1f} | {ar[(w, t)].throughput:.1f} | {f.speedup:.2f}x |")
     lines += ["", "All methods:", "", render_markdown(res)]
     text = "\n".join(lines)
     print(text)
