@@ -131,6 +131,16 @@ def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(h, w)
 
 
+def layer_matmul(h: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """h [..., in] times a layer weight held as w [out, in] and w_t [in, out]. Like `lm_head`, the
+    CPU kernel depends only on the row count (a given forward shape always computes the same way):
+    `F.linear` for 2-3 rows, `h @ w_t` otherwise."""
+    rows = h.numel() // h.shape[-1]
+    if rows in (2, 3) and h.device.type == "cpu":
+        return F.linear(h, w)
+    return h @ w_t
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
@@ -166,7 +176,7 @@ class LlamaTreeLM(TreeLM):
         # Each weight is kept in both layouts: on this CPU (MKL sgemm, 2 cores) `F.linear(x, W)` over
         # [out, in] is the fastest kernel for 2-3 rows (a 2-token tree forward then costs about
         # what a 1-token step does), `x @ Wt` over [in, out] for 1 row and 4-64 rows (up to 3x
-        # faster there); see `_matmul` and benchmarks/bench_engine.py.
+        # faster there); see `layer_matmul` and benchmarks/bench_engine.py.
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers[: n_layers or len(inner.layers)]:
@@ -204,14 +214,6 @@ class LlamaTreeLM(TreeLM):
         var = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(var + self.eps) * w
 
-    def _matmul(self, h: torch.Tensor, L: dict, name: str) -> torch.Tensor:
-        """h [..., in] times weight `name` of layer L: the kernel depends only on the number of rows
-        (so a given forward shape always computes the same way)."""
-        rows = h.numel() // h.shape[-1]
-        if rows in (2, 3) and h.device.type == "cpu":
-            return F.linear(h, L[name])
-        return h @ L[name + "_t"]
-
     def _layers(self, x, cos, sin, keys, values, start: int, attn_mask):
         """The decoder layers over B sequences of m new tokens: x [B, m, dim], cos/sin [B, 1, m, hd];
         keys/values: per-layer caches [B, KV, max_len, hd] whose rows start..start+m are written here;
@@ -223,7 +225,7 @@ class LlamaTreeLM(TreeLM):
         feats: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            qkv = self._matmul(h, L, "wqkv")  # [B, m, (H + 2KV) * hd]
+            qkv = layer_matmul(h, L["wqkv"], L["wqkv_t"])  # [B, m, (H + 2KV) * hd]
             if L["bqkv"] is not None:
                 qkv = qkv + L["bqkv"]
             q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
@@ -236,10 +238,10 @@ class LlamaTreeLM(TreeLM):
             o = F.scaled_dot_product_attention(
                 q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
             )  # [B, H, m, hd]
-            x = x + self._matmul(o.transpose(1, 2).reshape(B, m, H * hd), L, "wo")  # [B, m, dim]
+            x = x + layer_matmul(o.transpose(1, 2).reshape(B, m, H * hd), L["wo"], L["wo_t"])  # [B, m, dim]
             h = self._rms(x, L["ln2"])
-            g, u = self._matmul(h, L, "wgu").chunk(2, dim=-1)  # [B, m, inter] each
-            x = x + self._matmul(F.silu(g) * u, L, "wd")  # [B, m, dim]
+            g, u = layer_matmul(h, L["wgu"], L["wgu_t"]).chunk(2, dim=-1)  # [B, m, inter] each
+            x = x + layer_matmul(F.silu(g) * u, L["wd"], L["wd_t"])  # [B, m, dim]
             if i in self.feature_layers:
                 feats[i] = x
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
