@@ -8,6 +8,7 @@ configfile: "config/default.yaml"
 
 include: "rules/common.smk"
 include: "rules/prepare.smk"
+include: "rules/kernels.smk"
 include: "rules/calibrate.smk"
 include: "rules/records.smk"
 include: "rules/drafter.smk"
@@ -21,6 +22,7 @@ rule all:
     input:
         f"{RESULTS}/model",
         expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        f"{RESULTS}/kernels/kernels.json",
         f"{RESULTS}/latency/latency.json",
         f"{RESULTS}/records/summary.json",
         f"{RESULTS}/drafter_eval/acceptance.json",

@@ -6,6 +6,7 @@ rule calibrate_latency:
     input:
         model=f"{RESULTS}/model",
         drafter=drafter_input,
+        kernels=KERNELS,
     output:
         json=f"{RESULTS}/latency/latency.json",
         png=f"{RESULTS}/latency/latency.png",
@@ -23,4 +24,4 @@ rule calibrate_latency:
         "../envs/torch.yaml"
     shell:
         "ogspo calibrate-latency --config-json {params.config:q} --model {input.model}"
-        " --drafter eagle --drafter-path {input.drafter} --out-json {output.json} --out-png {output.png} > {log} 2>&1"
+        " --drafter eagle --drafter-path {input.drafter} --kernels {input.kernels} --out-json {output.json} --out-png {output.png} > {log} 2>&1"

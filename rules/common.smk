@@ -15,6 +15,8 @@ config.update(_validated)
 RESULTS = f"results/{config['device']}"
 WORKLOADS = list(config["workloads"])
 
+# Every stage that decodes or times the target runs it with the device's kernel table (rule calibrate_kernels).
+KERNELS = f"{RESULTS}/kernels/kernels.json"
 # Input function of the latency and records stages: the trained drafter folder (rule train_drafter).
 drafter_input = lambda wildcards: f"{RESULTS}/drafter"
 # Records folder per temperature: 0 -> T0, 1.0 -> T1, 0.7 -> T0.7.

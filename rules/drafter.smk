@@ -32,6 +32,7 @@ rule measure_drafter:
         model=f"{RESULTS}/model",
         drafter=f"{RESULTS}/drafter",
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        kernels=KERNELS,
     output:
         json=f"{RESULTS}/drafter_eval/acceptance.json",
         md=f"{RESULTS}/drafter_eval/acceptance.md",
@@ -50,4 +51,4 @@ rule measure_drafter:
         "../envs/torch.yaml"
     shell:
         "ogspo measure-drafter --config-json {params.config:q} --model {input.model} --drafter {input.drafter}"
-        " --workloads {params.workloads_dir} --out-json {output.json} --out-md {output.md} > {log} 2>&1"
+        " --workloads {params.workloads_dir} --kernels {input.kernels} --out-json {output.json} --out-md {output.md} > {log} 2>&1"

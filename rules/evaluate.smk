@@ -25,6 +25,7 @@ rule tune_eagle:
         model=f"{RESULTS}/model",
         drafter=drafter_input,
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        kernels=KERNELS,
     output:
         f"{RESULTS}/evaluate/tune_T{{temperature}}.json",
     wildcard_constraints:
@@ -43,7 +44,7 @@ rule tune_eagle:
         "../envs/torch.yaml"
     shell:
         "ogspo tune-eagle --config-json {params.config:q} --model {input.model} --drafter eagle"
-        " --drafter-path {input.drafter} --workloads {input.workloads} --temperature {wildcards.temperature}"
+        " --drafter-path {input.drafter} --kernels {input.kernels} --workloads {input.workloads} --temperature {wildcards.temperature}"
         " --out {output} > {log} 2>&1"
 
 
@@ -53,6 +54,7 @@ rule evaluate:
         drafter=drafter_input,
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
         latency=f"{RESULTS}/latency/latency.json",
+        kernels=KERNELS,
         oracle=expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
         artifacts=sorted({EVAL_ARTIFACTS[k][0].format(T=tag) for k in EVAL_ARTIFACT_KINDS for tag in RECORD_TEMPERATURES}),
     output:
@@ -75,7 +77,7 @@ rule evaluate:
         "../envs/torch.yaml"
     shell:
         "ogspo evaluate --config-json {params.config:q} --model {input.model} --drafter eagle"
-        " --drafter-path {input.drafter} --workloads {input.workloads} --latency {input.latency}"
+        " --drafter-path {input.drafter} --kernels {input.kernels} --workloads {input.workloads} --latency {input.latency}"
         " --oracle {params.oracle} --artifact {params.artifacts:q} --out-requests {output.requests}"
         " --out-summary {output.summary} > {log} 2>&1"
 

@@ -18,6 +18,7 @@ rule ogspo_rounds:
         model=f"{RESULTS}/model",
         drafter=drafter_input,
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        kernels=KERNELS,
     output:
         directory(f"{RESULTS}/rounds/T{{temperature}}"),
     wildcard_constraints:
@@ -38,7 +39,7 @@ rule ogspo_rounds:
         "../envs/torch.yaml"
     shell:
         "ogspo ogspo-rounds --config-json {params.config:q} --records {params.records} --latency {input.latency}"
-        " --oracle {input.oracle} --model {input.model} --drafter eagle --drafter-path {input.drafter}"
+        " --oracle {input.oracle} --model {input.model} --drafter eagle --drafter-path {input.drafter} --kernels {input.kernels}"
         " --workloads {params.workloads} --out {output} > {log} 2>&1"
 
 

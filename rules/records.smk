@@ -9,6 +9,7 @@ rule collect_records:
         model=f"{RESULTS}/model",
         drafter=drafter_input,
         workload=f"{RESULTS}/workloads/{{workload}}.parquet",
+        kernels=KERNELS,
     output:
         f"{RESULTS}/records/{{workload}}/T{{temperature}}/complete.flag",
     wildcard_constraints:
@@ -26,7 +27,7 @@ rule collect_records:
         "../envs/torch.yaml"
     shell:
         "ogspo collect-records --config-json {params.config:q} --model {input.model}"
-        " --drafter eagle --drafter-path {input.drafter} --workload-file {input.workload}"
+        " --drafter eagle --drafter-path {input.drafter} --kernels {input.kernels} --workload-file {input.workload}"
         " --temperature {wildcards.temperature} --out {params.out_dir} > {log} 2>&1 && touch {output}"
 
 

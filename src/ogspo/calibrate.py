@@ -1,4 +1,9 @@
-"""Stage `calibrate_latency`: the per-device latency model of DESIGN §4, measured on real shapes.
+"""Stages `calibrate_kernels` and `calibrate_latency`: what this device is fast at, measured.
+
+`calibrate_device_kernels`: the kernel table of `engine.kernels` for the target's weight shapes
+(cached per machine, so a rerun of the workflow does not time it again).
+
+`calibrate_latency`: the per-device latency model of DESIGN §4, measured on real shapes.
 
 - t_verify(n, L): one target tree forward of n tree tokens (root included, ancestor mask of a bushy
   tree) over a KV cache holding L committed tokens, through the engine's own code path
@@ -24,11 +29,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import hashlib
+
 import numpy as np
 import torch
 
+from ogspo.engine import kernels as K
 from ogspo.engine.drafters import TreeDrafter
-from ogspo.engine.target import TreeLM
+from ogspo.engine.target import LlamaTreeLM, TreeLM
 from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix
 
 SCHEMA_VERSION = 1
@@ -339,6 +347,40 @@ def calibrate_latency(
     return LatencyCalibration(
         model=model, validation=validation, mdape=mdape, fixed_samples=fixed_samples, seconds=time.perf_counter() - t_start
     )
+
+
+def kernel_cache_dir() -> Path:
+    base = os.environ.get("OGSPO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "ogspo")
+    return Path(base) / "kernels"
+
+
+def calibrate_device_kernels(
+    hf_model, cfg: dict, *, device: str = "cpu", cache: Path | None = None, log=print
+) -> tuple[K.KernelTable, bool]:
+    """The kernel table for this model's weight classes on this device (`engine.kernels`), and
+    whether it came from the cache. cfg: the `kernels` config section. The cache key is the device
+    key (CPU model, torch version, threads, dtype), the weight shapes, the settings and the native
+    kernel's source, so any change times afresh. Only CPU kernels are timed: on CUDA the table holds
+    the reference kernel (cuBLAS through F.linear) for every class."""
+    lm = LlamaTreeLM(hf_model, max_len=8)  # reference kernels only: just to collect the fused weights
+    weights = {c: [w.w for w in lm.mm[c].weights] for c in K.CLASSES}
+    shapes = {c: list(ws[0].shape) for c, ws in weights.items()}
+    if device != "cpu":
+        return K.reference_table(shapes, device, lm.dtype, f"only the reference kernel is used on {device}"), False
+    threads = torch.get_num_threads()
+    candidates = tuple(k for name in cfg["candidates"] for k in (K.native_kernels(threads) if name == "native" else (name,)))
+    ident = {"key": K.device_key("cpu", lm.dtype), "shapes": shapes, "rows": cfg["rows"], "reps": cfg["reps"],
+             "candidates": candidates, "native": K.native.SOURCE.read_text()}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    cached = (cache or kernel_cache_dir()) / f"kernels-{digest}.json"
+    if cfg["cache"] and cached.is_file():
+        return K.read_kernel_table(cached), True
+    table = K.calibrate_kernels(weights, rows=cfg["rows"], reps=cfg["reps"], candidates=candidates,
+                                max_seconds=cfg["max_seconds"], log=log)
+    table.meta["cache_key"] = digest
+    if cfg["cache"]:
+        K.write_kernel_table(table, cached)
+    return table, False
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

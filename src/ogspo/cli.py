@@ -119,6 +119,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-exit-layers", type=int, default=6, help="layers of the early-exit drafter")
     p.add_argument("--drafter-path", type=Path, help="trained head folder (drafter eagle)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache rows")
+    _add_kernels(p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -139,6 +140,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         early_exit_layers=args.early_exit_layers,
         drafter_path=args.drafter_path,
         max_len=args.max_len,
+        kernels=_read_kernels(args),
         stream=lambda text: print(text, end="", flush=True),
     )
     r = result.generation
@@ -162,6 +164,17 @@ def _add_model_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help=f"drafter spec for ogspo.methods.make_drafter ({', '.join(DRAFTERS)}, ...)")
     p.add_argument("--drafter-path", type=Path, help="drafter folder (trained drafters), passed to make_drafter as path=")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache rows")
+    _add_kernels(p)
+
+
+def _add_kernels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernels", type=Path, help="kernel table from calibrate-kernels (default: torch's F.linear everywhere)")
+
+
+def _read_kernels(args: argparse.Namespace):
+    from ogspo.engine.kernels import read_kernel_table
+
+    return None if args.kernels is None else read_kernel_table(args.kernels)
 
 
 def _load_model_drafter(args: argparse.Namespace, *, device: str = "cpu"):
@@ -169,14 +182,38 @@ def _load_model_drafter(args: argparse.Namespace, *, device: str = "cpu"):
     from ogspo.assets import load_target, read_manifest
     from ogspo.methods import make_drafter, make_target
 
+    kernels = _read_kernels(args)
     checksum = read_manifest(args.model)["checksum_sha256"]
     model, tokenizer = load_target(args.model, device=device)
     extra = {} if args.drafter_path is None else {"path": args.drafter_path, "target_checksum": checksum}
-    drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, **extra)
+    drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, kernels=kernels, **extra)
     drafter_id = getattr(drafter, "drafter_id", None) or (
         args.drafter if args.drafter_path is None else f"{args.drafter}:{Path(args.drafter_path).resolve().name}"
     )
-    return make_target(model, max_len=args.max_len, drafter=drafter), drafter, checksum, drafter_id, tokenizer
+    target = make_target(model, max_len=args.max_len, drafter=drafter, kernels=kernels)
+    return target, drafter, checksum, drafter_id, tokenizer
+
+
+def _add_calibrate_kernels(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--out", required=True, type=Path, help="kernels.json to write")
+    p.add_argument("--cache-dir", type=Path, help="where measured tables are kept for reuse (default ~/.cache/ogspo/kernels)")
+
+
+def _run_calibrate_kernels(args: argparse.Namespace) -> int:
+    from ogspo.assets import load_target
+    from ogspo.calibrate import calibrate_device_kernels
+    from ogspo.engine.kernels import describe, write_kernel_table
+
+    cfg = _load_config(args, ("kernels", "torch_device"))
+    model, _ = load_target(args.model, device=cfg["torch_device"])
+    table, cached = calibrate_device_kernels(model, cfg["kernels"], device=cfg["torch_device"], cache=args.cache_dir,
+                                             log=lambda m: print(m, flush=True))
+    write_kernel_table(table, args.out)
+    how = "reused from the cache" if cached else f"measured in {table.meta['seconds']:.0f} s"
+    print(f"kernel table for {table.key['model']} ({table.key['threads']} threads), {how} -> {args.out}\n{describe(table)}")
+    return 0
 
 
 def _add_calibrate_latency(p: argparse.ArgumentParser) -> None:
@@ -312,6 +349,7 @@ def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (eval split is used)")
     p.add_argument("--out-json", required=True, type=Path)
     p.add_argument("--out-md", required=True, type=Path)
+    _add_kernels(p)
 
 
 def _run_measure_drafter(args: argparse.Namespace) -> int:
@@ -323,7 +361,7 @@ def _run_measure_drafter(args: argparse.Namespace) -> int:
         model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
         prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
         temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
-        chain_depth=m["chain_depth"], seed=cfg["seed"],
+        chain_depth=m["chain_depth"], seed=cfg["seed"], kernels=_read_kernels(args),
     )
     write_measure(result, args.out_json, args.out_md)
     print(render_markdown(result))
@@ -604,6 +642,7 @@ COMMANDS: dict[str, Command] = {
     "train-drafter": Command("train the EAGLE-3-style draft head", _add_train_drafter, _run_train_drafter),
     "measure-drafter": Command("measure the head's acceptance on eval prompts", _add_measure_drafter, _run_measure_drafter),
     "generate": Command("decode one prompt with a speculative method, streaming", _add_generate, _run_generate),
+    "calibrate-kernels": Command("time matmul kernels per weight class and row count on this device", _add_calibrate_kernels, _run_calibrate_kernels),
     "calibrate-latency": Command("measure the per-device latency model", _add_calibrate_latency, _run_calibrate_latency),
     "collect-records": Command("collect posterior verification records", _add_collect_records, _run_collect_records),
     "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),

@@ -40,6 +40,7 @@ def generate_text(
     early_exit_layers: int = 6,
     drafter_path: Path | None = None,
     max_len: int = 4096,
+    kernels=None,
     stream: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     from ogspo.assets import load_target
@@ -53,8 +54,8 @@ def generate_text(
     draft = None
     if method != "ar":
         draft = make_drafter(drafter, target_model=model, max_len=max_len, early_exit_layers=early_exit_layers,
-                             path=drafter_path, target_checksum=model_checksum(model_dir))
-    target = make_target(model, max_len=max_len, drafter=draft)
+                             path=drafter_path, target_checksum=model_checksum(model_dir), kernels=kernels)
+    target = make_target(model, max_len=max_len, drafter=draft, kernels=kernels)
     if hasattr(policy, "bind"):  # policies with a stop hook that reads the committed context (ogspo)
         policy.bind(target)
     engine = SpeculativeEngine(

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter, TreeDrafter
+from ogspo.engine.kernels import KernelTable
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
@@ -102,10 +103,10 @@ def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list |
 
 def make_drafter(
     name: str, *, target_model, max_len: int, early_exit_layers: int = 6, path: str | Path | None = None,
-    target_checksum: str | None = None,
+    target_checksum: str | None = None, kernels: KernelTable | None = None,
 ) -> TreeDrafter:
     """`eagle`: the trained EAGLE-3-style head in folder `path`; `lookup`: prompt lookup (n-gram);
-    `early-exit`: the target's first layers + its LM head."""
+    `early-exit`: the target's first layers + its LM head (with the device's kernel table)."""
     if name == "eagle":
         if path is None:
             raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
@@ -116,11 +117,14 @@ def make_drafter(
     if name == "lookup":
         return PromptLookupDrafter()
     if name == "early-exit":
-        return LMDrafter(LlamaTreeLM(target_model, max_len=max_len, n_layers=early_exit_layers))
+        return LMDrafter(LlamaTreeLM(target_model, max_len=max_len, n_layers=early_exit_layers, kernels=kernels))
     raise ValueError(f"unknown drafter '{name}'; allowed: {', '.join(DRAFTERS)}")
 
 
-def make_target(hf_model, *, max_len: int, backend: str = "auto", drafter: TreeDrafter | None = None) -> TreeLM:
-    """The target for the engine; it also returns the hidden states a feature-fed drafter needs."""
+def make_target(
+    hf_model, *, max_len: int, backend: str = "auto", drafter: TreeDrafter | None = None, kernels: KernelTable | None = None
+) -> TreeLM:
+    """The target for the engine, with the device's kernel table; it also returns the hidden states a
+    feature-fed drafter needs."""
     layers = tuple(getattr(drafter, "feature_layers", ()) or ())
-    return build_tree_lm(hf_model, backend=backend, max_len=max_len, feature_layers=layers)
+    return build_tree_lm(hf_model, backend=backend, max_len=max_len, feature_layers=layers, kernels=kernels)

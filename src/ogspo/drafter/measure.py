@@ -93,6 +93,7 @@ def measure_drafter(
     trees: tuple[tuple[int, int, int], ...] = ((60, 5, 10), (16, 4, 4), (24, 5, 4), (32, 6, 6)),
     chain_depth: int = 6,
     seed: int = 0,
+    kernels=None,
 ) -> MeasureResult:
     from ogspo.assets import load_target, model_checksum
     from ogspo.methods import make_drafter, make_target
@@ -100,7 +101,7 @@ def measure_drafter(
     t_start = time.perf_counter()
     model, tok = load_target(model_dir)
     drafter = make_drafter("eagle", target_model=model, max_len=2048, path=drafter_dir, target_checksum=model_checksum(model_dir))
-    target = make_target(model, max_len=2048, drafter=drafter)
+    target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
     prompts = eval_prompts(workloads_dir, tok, prompts_per_workload)
     policies = [Autoregressive(), chain(chain_depth)] + [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
     figures = []

@@ -4,7 +4,8 @@ Two backends share one interface (`TreeLM`):
 
 - `LlamaTreeLM`: a small gpt-fast-style forward for the Llama architecture (SmolLM2, Llama 2/3,
   Mistral without sliding window) that reads the transformers weights in place. Fused QKV and
-  gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA.
+  gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA; every matmul goes
+  through the device's measured kernel table (`engine.kernels`), torch's `F.linear` without one.
 - `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D float mask and
   explicit position ids, through transformers' own forward with a preallocated cache layer.
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .kernels import KernelTable, Matmul, check_usable
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2"}
 
@@ -124,23 +127,6 @@ def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Logits [m, vocab] for hidden states h [m, dim]: `W @ h.T` beats `F.linear` for 5-32 rows on CPU."""
-    if 4 < h.shape[0] <= 32 and h.device.type == "cpu":
-        return (w @ h.T).T
-    return F.linear(h, w)
-
-
-def layer_matmul(h: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """h [..., in] times a layer weight held as w [out, in] and w_t [in, out]. Like `lm_head`, the
-    CPU kernel depends only on the row count (a given forward shape always computes the same way):
-    `F.linear` for 2-3 rows, `h @ w_t` otherwise."""
-    rows = h.numel() // h.shape[-1]
-    if rows in (2, 3) and h.device.type == "cpu":
-        return F.linear(h, w)
-    return h @ w_t
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
@@ -150,10 +136,17 @@ class LlamaTreeLM(TreeLM):
     """Tree forward for Llama-like transformers models, weights shared with the HF module."""
 
     def __init__(
-        self, hf_model, *, max_len: int = 2048, feature_layers: tuple[int, ...] = (), n_layers: int | None = None
+        self,
+        hf_model,
+        *,
+        max_len: int = 2048,
+        feature_layers: tuple[int, ...] = (),
+        n_layers: int | None = None,
+        kernels: KernelTable | None = None,
     ):
         """`n_layers` keeps only the first layers (then the final norm and LM head): an early-exit
-        self-drafter that shares the target's weights and tokenizer."""
+        self-drafter that shares the target's weights and tokenizer. `kernels`: the device's kernel
+        table (`ogspo calibrate-kernels`); None runs every matmul with `F.linear`."""
         cfg = hf_model.config
         if cfg.model_type not in LLAMA_LIKE:
             raise ValueError(f"LlamaTreeLM supports {sorted(LLAMA_LIKE)}, not '{cfg.model_type}'")
@@ -173,28 +166,26 @@ class LlamaTreeLM(TreeLM):
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight
-        # Each weight is kept in both layouts: on this CPU (MKL sgemm, 2 cores) `F.linear(x, W)` over
-        # [out, in] is the fastest kernel for 2-3 rows (a 2-token tree forward then costs about
-        # what a 1-token step does), `x @ Wt` over [in, out] for 1 row and 4-64 rows (up to 3x
-        # faster there); see `layer_matmul` and benchmarks/bench_engine.py.
         self.layers = []
+        fused = {c: [] for c in ("qkv", "o", "gate_up", "down")}
         with torch.no_grad():
             for layer in inner.layers[: n_layers or len(inner.layers)]:
                 a, m = layer.self_attn, layer.mlp
                 bqkv = None
                 if a.q_proj.bias is not None:
                     bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-                w = dict(
-                    wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0),  # [(H + 2KV) * hd, dim]
-                    wo=a.o_proj.weight,  # [dim, H * hd]
-                    wgu=torch.cat([m.gate_proj.weight, m.up_proj.weight], 0),  # [2 * inter, dim]
-                    wd=m.down_proj.weight,  # [dim, inter]
-                )
-                L = dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight)
-                for name, weight in w.items():
-                    L[name] = weight.contiguous()
-                    L[name + "_t"] = weight.t().contiguous()
-                self.layers.append(L)
+                fused["qkv"].append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0))  # [(H + 2KV) * hd, dim]
+                fused["o"].append(a.o_proj.weight)  # [dim, H * hd]
+                fused["gate_up"].append(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0))  # [2 * inter, dim]
+                fused["down"].append(m.down_proj.weight)  # [dim, inter]
+                self.layers.append(dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight))
+        shapes = {c: list(ws[0].shape) for c, ws in fused.items()} | {"lm_head": list(self.lm_head.shape)}
+        if kernels is not None:
+            check_usable(kernels, str(self.device), self.dtype)
+            kernels.check_shapes(shapes)
+        self.kernels = kernels
+        self.mm = {c: Matmul(c, ws, kernels) for c, ws in fused.items()}
+        self.mm["lm_head"] = Matmul("lm_head", [self.lm_head], kernels)
         rot = inner.rotary_emb
         self.max_len = max_len
         self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
@@ -221,11 +212,11 @@ class LlamaTreeLM(TreeLM):
         hidden state [B, m, dim] (before the norm) and the chosen feature layers' outputs."""
         B, m, _ = x.shape
         end = start + m
-        hd, H, KV = self.head_dim, self.n_heads, self.kv_heads
+        hd, H, KV, mm = self.head_dim, self.n_heads, self.kv_heads, self.mm
         feats: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            qkv = layer_matmul(h, L["wqkv"], L["wqkv_t"])  # [B, m, (H + 2KV) * hd]
+            qkv = mm["qkv"](i, h)  # [B, m, (H + 2KV) * hd]
             if L["bqkv"] is not None:
                 qkv = qkv + L["bqkv"]
             q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
@@ -238,10 +229,10 @@ class LlamaTreeLM(TreeLM):
             o = F.scaled_dot_product_attention(
                 q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
             )  # [B, H, m, hd]
-            x = x + layer_matmul(o.transpose(1, 2).reshape(B, m, H * hd), L["wo"], L["wo_t"])  # [B, m, dim]
+            x = x + mm["o"](i, o.transpose(1, 2).reshape(B, m, H * hd))  # [B, m, dim]
             h = self._rms(x, L["ln2"])
-            g, u = layer_matmul(h, L["wgu"], L["wgu_t"]).chunk(2, dim=-1)  # [B, m, inter] each
-            x = x + layer_matmul(F.silu(g) * u, L["wd"], L["wd_t"])  # [B, m, dim]
+            g, u = mm["gate_up"](i, h).chunk(2, dim=-1)  # [B, m, inter] each
+            x = x + mm["down"](i, F.silu(g) * u)  # [B, m, dim]
             if i in self.feature_layers:
                 feats[i] = x
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
@@ -261,7 +252,7 @@ class LlamaTreeLM(TreeLM):
         h = self._rms(x[0], self.norm)  # [m, dim]
         if logits_rows is not None:
             h = h[logits_rows]
-        return ForwardOut(logits=lm_head(h, self.lm_head), features=None if features is None else features[0])
+        return ForwardOut(logits=self.mm["lm_head"](0, h), features=None if features is None else features[0])
 
     def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
         if max_len > self.max_len:
@@ -287,7 +278,7 @@ class LlamaTreeLM(TreeLM):
         x, features = self._layers(x, cos, sin, cache.keys, cache.values, start, mask)
         cache.length = start + m
         h = self._rms(x, self.norm)
-        return ForwardOut(logits=F.linear(h, self.lm_head), features=features)
+        return ForwardOut(logits=self.mm["lm_head"](0, h), features=features)
 
 
 class _PreallocatedLayer:
@@ -383,11 +374,14 @@ class HFTreeLM(TreeLM):
         return ForwardOut(logits=logits, features=feats)
 
 
-def build_tree_lm(hf_model, *, backend: str = "auto", max_len: int = 2048, feature_layers=()) -> TreeLM:
-    """Wrap a transformers causal LM for tree forwards. backend: 'auto', 'llama' or 'hf'."""
+def build_tree_lm(
+    hf_model, *, backend: str = "auto", max_len: int = 2048, feature_layers=(), kernels: KernelTable | None = None
+) -> TreeLM:
+    """Wrap a transformers causal LM for tree forwards. backend: 'auto', 'llama' or 'hf'; `kernels`
+    (the device's kernel table) applies to the 'llama' backend."""
     if backend not in ("auto", "llama", "hf"):
         raise ValueError(f"unknown backend '{backend}'; allowed: auto, llama, hf")
     model_type = hf_model.config.model_type
     if backend == "llama" or (backend == "auto" and model_type in LLAMA_LIKE and not getattr(hf_model.config, "sliding_window", None)):
-        return LlamaTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers)
+        return LlamaTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers, kernels=kernels)
     return HFTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers)

@@ -1,0 +1,156 @@
+"""Matmul kernels chosen by measurement (engine.kernels) and the engine's native GEMM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import hf_greedy, tiny_model
+from ogspo.engine import kernels as K
+from ogspo.engine import native
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.policies import DynamicTree, StaticTree, chain
+from ogspo.engine.target import LlamaTreeLM
+from ogspo.engine.tree import Structure
+
+needs_native = pytest.mark.skipif(native.load() is None, reason=f"native kernel not built here: {native.unavailable_reason()}")
+ALL = K.BASE_KERNELS + K.native_kernels(2)
+
+
+def _table(choice: dict[str, list[str]], rows: list[int], pad_to: dict[str, list[int]] | None = None, shapes=None) -> K.KernelTable:
+    return K.KernelTable(
+        key=K.device_key("cpu", torch.float32), shapes=shapes or {}, rows=rows, choice=choice,
+        pad_to=pad_to or {c: list(rows) for c in choice},
+    )
+
+
+@pytest.mark.parametrize("kernel", ALL)
+@pytest.mark.parametrize("out_features,in_features", [(100, 576), (64, 32), (33, 7)])
+def test_every_kernel_computes_the_product(kernel, out_features, in_features):
+    if kernel.startswith("native") and native.load() is None:
+        pytest.skip(native.unavailable_reason())
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g)
+    weight = K.Weight(w, {kernel})
+    for m in (1, 2, 3, 5, 8, 13, 17, 40):
+        x = torch.randn(m, in_features, generator=g)
+        ref = (x.double() @ w.double().T).float()  # [m, out]
+        got = weight.apply(kernel, x)
+        assert got.shape == (m, out_features)
+        torch.testing.assert_close(got, ref, atol=1e-4 * in_features**0.5, rtol=1e-4)
+    x3 = torch.randn(2, 3, in_features, generator=g)  # leading dims are kept
+    assert weight.apply(kernel, x3).shape == (2, 3, out_features)
+
+
+@needs_native
+def test_native_rows_are_batch_invariant():
+    """A row's bits do not depend on how many rows share the call, nor on the thread count."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3072, 576, generator=g)
+    packed = native.PackedWeight(w)
+    x = torch.randn(40, 576, generator=g)
+    one = torch.cat([packed.matmul(x[i : i + 1], 1) for i in range(40)])
+    for m in (2, 3, 4, 7, 8, 12, 16, 25, 40):
+        for threads in (1, 2):
+            assert torch.equal(packed.matmul(x[:m], threads), one[:m]), f"{m} rows on {threads} threads"
+
+
+def test_lookup_pads_to_the_cheaper_row_count_and_past_the_table():
+    t = _table({"qkv": ["linear", "matmul_t", "matmul_t", "linear"]}, [1, 2, 4, 8], {"qkv": [1, 4, 4, 8]})
+    assert t.lookup("qkv", 1) == ("linear", 1)
+    assert t.lookup("qkv", 2) == ("matmul_t", 4)  # padded: 4 rows were measured cheaper than 2
+    assert t.lookup("qkv", 3) == ("matmul_t", 3)  # between entries: the next entry's kernel, unpadded
+    assert t.lookup("qkv", 100) == ("linear", 100)  # past the table: the last kernel
+
+
+def test_padded_matmul_keeps_the_real_rows():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 40, generator=g)
+    kernel = K.native_kernels(1)[0] if native.load() is not None else "matmul_t"
+    mm = K.Matmul("o", [w], _table({"o": [kernel, kernel]}, [2, 8], {"o": [8, 8]}))
+    x = torch.randn(2, 40, generator=g)
+    got = mm(0, x)
+    assert got.shape == (2, 48)
+    torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
+    if kernel.startswith("native"):  # batch-invariant: padding changes no bit
+        assert torch.equal(got, K.Weight(w, {kernel}).apply(kernel, x))
+
+
+def test_calibration_keeps_the_fastest_and_pads_only_to_cheaper():
+    g = torch.Generator().manual_seed(3)
+    weights = {"o": [torch.randn(64, 64, generator=g) for _ in range(3)], "down": [torch.randn(32, 96, generator=g) for _ in range(3)]}
+    rows = [1, 2, 4, 8]
+    t = K.calibrate_kernels(weights, rows=rows, reps=2, candidates=("linear", "matmul_t"), max_seconds=30)
+    assert t.rows == rows and t.shapes == {"o": [64, 64], "down": [32, 96]}
+    for c in weights:
+        tm = t.timings_us[c]
+        assert set(tm) == {"linear", "matmul_t"}
+        for i, r in enumerate(rows):
+            j = rows.index(t.pad_to[c][i])
+            assert j >= i  # never pads down
+            k = t.choice[c][i]
+            assert tm[k][j] == min(tm[kk][jj] for kk in tm for jj in range(i, len(rows)))
+
+
+def test_table_round_trip_and_one_line_errors(tmp_path):
+    t = _table({"o": ["linear", "mkldnn"]}, [1, 8], shapes={"o": [32, 32]})
+    path = tmp_path / "kernels.json"
+    K.write_kernel_table(t, path)
+    back = K.read_kernel_table(path)
+    assert back.choice == t.choice and back.rows == t.rows and back.key == t.key
+    doc = json.loads(path.read_text())
+    doc["choice"]["o"] = ["linear", "fastest"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"unknown kernel\(s\) \['fastest'\] for 'o'; allowed: linear"):
+        K.read_kernel_table(path)
+    with pytest.raises(FileNotFoundError, match="calibrate_kernels writes it"):
+        K.read_kernel_table(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="measured for o weights of shape \\[32, 32\\], this model has \\[64, 32\\]"):
+        t.check_shapes({"o": [64, 32]})
+
+
+def test_target_refuses_a_table_of_another_dtype_or_shape():
+    model = tiny_model(0)  # float64
+    shapes = {c: list(w.w.shape) for c, w in ((c, m.weights[0]) for c, m in LlamaTreeLM(model, max_len=8).mm.items())}
+    table = _table({c: ["linear"] for c in K.CLASSES}, [1], shapes=shapes)
+    with pytest.raises(ValueError, match="measured for float32 weights, the target is float64"):
+        LlamaTreeLM(model, max_len=8, kernels=table)
+    shapes["qkv"] = [1, 1]
+    with pytest.raises(ValueError, match="run `ogspo calibrate-kernels` for this model"):
+        LlamaTreeLM(model.float(), max_len=8, kernels=_table({c: ["linear"] for c in K.CLASSES}, [1], shapes=shapes))
+
+
+def test_every_policy_is_lossless_with_a_mixed_kernel_table():
+    """fp32 tiny target whose matmuls switch kernel with the row count (and pad): every tree policy
+    still equals transformers' greedy decoding token for token."""
+    target_model = tiny_model(0).float()
+    draft_model = tiny_model(1).float()
+    shapes = {c: list(m.weights[0].w.shape) for c, m in LlamaTreeLM(target_model, max_len=8).mm.items()}
+    have = [k for k in ALL if not k.startswith("native") or native.load() is not None]
+    rows = [1, 2, 3, 4, 6, 8, 16, 32]
+    choice = {c: [have[(i + j) % len(have)] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
+    pad_to = {c: [rows[min(j + (j % 2), len(rows) - 1)] for j in range(len(rows))] for c in K.CLASSES}
+    target = LlamaTreeLM(target_model, max_len=256, kernels=_table(choice, rows, pad_to, shapes))
+    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
+    for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
+        ref = hf_greedy(target_model, prompt, 30)
+        for policy in policies:
+            engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
+            assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
+    selfdraft = SpeculativeEngine(target=target, policy=chain(4), drafter=LMDrafter(LlamaTreeLM(target_model, max_len=256)))
+    res = selfdraft.generate([3, 7, 11], max_new_tokens=30)
+    assert res.tokens == hf_greedy(target_model, [3, 7, 11], 30) and res.tau > 1.5  # trees really were verified
+
+
+def test_reference_kernel_without_a_table_is_f_linear():
+    model = tiny_model(0).float()
+    lm = LlamaTreeLM(model, max_len=8)
+    assert all(mm.plan(m) == ("linear", m) for mm in lm.mm.values() for m in (1, 5, 64))
+    w = lm.mm["o"].weights[0]
+    assert w.w_t is None and w.packed is None  # no extra layouts without a table
+    x = torch.randn(3, w.in_features)
+    assert torch.equal(lm.mm["o"](0, x), F.linear(x, w.w))
