@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from ogspo.assets import load_target
+from ogspo.engine import kernels as K
+from ogspo.engine import native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
+from ogspo.engine.target import LlamaTreeLM
 from ogspo.methods import make_drafter, make_policy, make_target
 
 PROMPTS = [
@@ -30,10 +33,23 @@ def smollm2(smollm2_dir):
     return load_target(smollm2_dir)
 
 
+def mixed_table(model) -> K.KernelTable:
+    """Every candidate kernel somewhere in the forward: the kernel of each class changes with the
+    row count (and some row counts are padded), as a calibrated table may have it."""
+    shapes = {c: list(m.weights[0].w.shape) for c, m in LlamaTreeLM(model, max_len=8).mm.items()}
+    have = [k for k in K.BASE_KERNELS + K.native_kernels(2) if not k.startswith("native") or native.load() is not None]
+    rows = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
+    choice = {c: [have[(i + j) % len(have)] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
+    pad_to = {c: [rows[min(j + (j % 2), len(rows) - 1)] for j in range(len(rows))] for c in K.CLASSES}
+    return K.KernelTable(key=K.device_key("cpu", torch.float32), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to)
+
+
 @pytest.mark.integration
-def test_every_method_equals_transformers_greedy(smollm2):
+@pytest.mark.parametrize("kernels", ["reference", "mixed"])
+def test_every_method_equals_transformers_greedy(smollm2, kernels):
     model, tok = smollm2
-    target = make_target(model, max_len=512)
+    table = None if kernels == "reference" else mixed_table(model)
+    target = make_target(model, max_len=512, kernels=table)
     ties = []
     for text in PROMPTS:
         prompt = tok(text).input_ids
@@ -43,12 +59,12 @@ def test_every_method_equals_transformers_greedy(smollm2):
             engine = SpeculativeEngine(
                 target=target,
                 policy=make_policy(method, **args),
-                drafter=None if drafter is None else make_drafter(drafter, target_model=model, max_len=512),
+                drafter=None if drafter is None else make_drafter(drafter, target_model=model, max_len=512, kernels=table),
                 eos_token_id=tok.eos_token_id,
             )
             got = engine.generate(prompt, max_new_tokens=64).tokens
             report = compare_greedy(model, prompt, ref, got)
-            assert report.equal or report.near_tie, f"{method}/{drafter} on {text[:30]!r}: {report.describe()}"
+            assert report.equal or report.near_tie, f"{method}/{drafter} ({kernels} kernels) on {text[:30]!r}: {report.describe()}"
             if report.near_tie:
                 ties.append(f"{method}/{drafter} on {text[:30]!r}: {report.describe()}")
     for t in ties:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,3 +158,21 @@ def test_reference_kernel_without_a_table_is_f_linear():
     assert w.w_t is None and w.packed is None  # no extra layouts without a table
     x = torch.randn(3, w.in_features)
     assert torch.equal(lm.mm["o"](0, x), F.linear(x, w.w))
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 variant is an x86-64 build")
+def test_avx2_build_computes_the_product_batch_invariantly(tmp_path):
+    """The AVX2 variant (the AMD EPYC machines' build) checked here by building it explicitly."""
+    script = (
+        "import torch; from ogspo.engine import native\n"
+        "assert native.vector_width() == 8, native.vector_width()\n"
+        "g = torch.Generator().manual_seed(0); w = torch.randn(1000, 300, generator=g); x = torch.randn(30, 300, generator=g)\n"
+        "p = native.PackedWeight(w); y = p.matmul(x, 2)\n"
+        "torch.testing.assert_close(y, (x.double() @ w.double().T).float(), atol=1e-3, rtol=1e-4)\n"
+        "one = torch.cat([p.matmul(x[i:i + 1], 1) for i in range(30)])\n"
+        "assert all(torch.equal(p.matmul(x[:m], 2), one[:m]) for m in range(1, 31))\n"
+    )
+    env = dict(os.environ, OGSPO_NATIVE_MARCH="x86-64-v3", OGSPO_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

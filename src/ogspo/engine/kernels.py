@@ -11,6 +11,7 @@ Classes: `qkv` (fused Q/K/V), `o`, `gate_up` (fused), `down`, `lm_head`. Candida
 
 - `linear`:   `F.linear(x, W)` over W [out, in] (the weight shared with the transformers model)
 - `matmul_t`: `x @ Wt` over a transposed copy Wt [in, out]
+- `wx_t`:     `(W @ x.T).T` over W (the product computed transposed: another BLAS path)
 - `mkldnn`:   oneDNN linear over a weight reordered for it (torch.ops.mkldnn)
 - `numpy`:    numpy's BLAS (OpenBLAS in numpy wheels) on zero-copy views of x and Wt
 - `native1`, `native2`, ...: the engine's own GEMM (`ogspo.engine.native`) on 1, 2, ... threads
@@ -41,7 +42,7 @@ from . import native
 
 SCHEMA_VERSION = 1
 CLASSES = ("qkv", "o", "gate_up", "down", "lm_head")
-BASE_KERNELS = ("linear", "matmul_t", "mkldnn", "numpy")
+BASE_KERNELS = ("linear", "matmul_t", "wx_t", "mkldnn", "numpy")
 REFERENCE = "linear"
 
 
@@ -88,6 +89,9 @@ class Weight:
             return F.linear(x, self.w)
         if kernel == "matmul_t":
             return x @ self.w_t
+        if kernel == "wx_t":
+            x2 = x.reshape(-1, self.in_features)
+            return (self.w @ x2.T).T.reshape(*x.shape[:-1], self.out_features)
         if kernel == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w_mkldnn, None, "none", [], "")
         if kernel == "numpy":
@@ -332,5 +336,5 @@ def calibrate_kernels(
     return KernelTable(
         key=device_key("cpu", next(iter(weights.values()))[0].dtype), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to, timings_us=timings,
         meta={"reps": reps, "seconds": round(time.perf_counter() - t_start, 1), "candidates": list(candidates),
-              "unavailable": unavailable, "native_isa": "avx512" if "avx512f" in native._cpu_flags() else "avx2"},
+              "unavailable": unavailable, "native_vector_width": native.vector_width()},
     )

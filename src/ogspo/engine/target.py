@@ -206,7 +206,7 @@ class LlamaTreeLM(TreeLM):
         return x * torch.rsqrt(var + self.eps) * w
 
     def _layers(self, x, cos, sin, keys, values, start: int, attn_mask):
-        """The decoder layers over B sequences of m new tokens: x [B, m, dim], cos/sin [B, 1, m, hd];
+        """The decoder layers over B sequences of m new tokens: x [B, m, dim], cos/sin [B or 1, m, 1, hd];
         keys/values: per-layer caches [B, KV, max_len, hd] whose rows start..start+m are written here;
         attn_mask [B or 1, 1, m, start + m] bool or None (causal single token). Returns the final
         hidden state [B, m, dim] (before the norm) and the chosen feature layers' outputs."""
@@ -219,13 +219,12 @@ class LlamaTreeLM(TreeLM):
             qkv = mm["qkv"](i, h)  # [B, m, (H + 2KV) * hd]
             if L["bqkv"] is not None:
                 qkv = qkv + L["bqkv"]
-            q = qkv[..., : H * hd].view(B, m, H, hd).transpose(1, 2)  # [B, H, m, hd]
-            k = qkv[..., H * hd : (H + KV) * hd].view(B, m, KV, hd).transpose(1, 2)  # [B, KV, m, hd]
-            v = qkv[..., (H + KV) * hd :].view(B, m, KV, hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys[i][:, :, start:end] = k
-            values[i][:, :, start:end] = v
+            heads = qkv.view(B, m, H + 2 * KV, hd)
+            qk = heads[:, :, : H + KV]  # [B, m, H + KV, hd]: queries and keys get the rotary embedding at once
+            qk = qk * cos + _rotate_half(qk) * sin
+            q = qk[:, :, :H].transpose(1, 2)  # [B, H, m, hd]
+            keys[i][:, :, start:end] = qk[:, :, H:].transpose(1, 2)  # [B, KV, m, hd]
+            values[i][:, :, start:end] = heads[:, :, H + KV :].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
             )  # [B, H, m, hd]
@@ -244,8 +243,8 @@ class LlamaTreeLM(TreeLM):
         m = tokens.shape[0]
         mask = self.full_mask(attend, m)  # [m, end+m] bool or None
         start = c.reserve(m)
-        cos = self.cos[positions][None, None]  # [1, 1, m, hd]
-        sin = self.sin[positions][None, None]
+        cos = self.cos[positions][None, :, None]  # [1, m, 1, hd]
+        sin = self.sin[positions][None, :, None]
         x = F.embedding(tokens, self.embed)[None]  # [1, m, dim]
         attn_mask = None if mask is None else mask[None, None]  # [1, 1, m, end]
         x, features = self._layers(x, cos, sin, c.keys, c.values, start, attn_mask)
@@ -269,8 +268,8 @@ class LlamaTreeLM(TreeLM):
         [B, m, n_feat * dim]. A padding row attends to itself only, so every row stays finite."""
         B, m = tokens.shape
         start = cache.length
-        cos = self.cos[positions][:, None]  # [B, 1, m, hd]
-        sin = self.sin[positions][:, None]
+        cos = self.cos[positions][:, :, None]  # [B, m, 1, hd]
+        sin = self.sin[positions][:, :, None]
         new = torch.ones(m, m, dtype=torch.bool).tril_() & valid[:, None, start : start + m]  # [B, m, m]
         new |= torch.eye(m, dtype=torch.bool)
         mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]

@@ -1,8 +1,9 @@
 """The engine's own small-row fp32 GEMM (`gemm.c` beside this file), compiled on first use.
 
 The C source is built with the machine's C compiler for the machine it runs on (`-march=native`,
-so AVX-512 where the CPU has it, AVX2 otherwise) into a per-user cache folder keyed by the source,
-the compiler and the CPU flags, then loaded with ctypes. torch is imported first so the library's
+so AVX-512 where the CPU has it, AVX2 otherwise; `OGSPO_NATIVE_MARCH=x86-64-v3` builds the AVX2
+variant anywhere, which the tests use) into a per-user cache folder keyed by the source, the
+compiler, the flags and the CPU flags, then loaded with ctypes. torch is imported first so the library's
 OpenMP calls share the runtime (and thread pool) torch already loaded. Where no compiler is found
 or the build fails, `load()` returns None and `unavailable_reason()` says why: the kernel is then
 simply not a candidate of the kernel calibration (`ogspo.engine.kernels`).
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemm.c")
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+_CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _state: dict = {}
 
 
@@ -42,7 +43,8 @@ def _cpu_flags() -> str:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, " ".join(_CFLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = [f"-march={os.environ.get('OGSPO_NATIVE_MARCH') or 'native'}", *_CFLAGS]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, " ".join(flags), _cpu_flags()]).encode()).hexdigest()[:16]
     lib = cache_dir() / f"libogspo_gemm-{key}.so"
     if lib.is_file():
         return lib
@@ -50,7 +52,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines() or [str(proc.returncode)]
             raise RuntimeError(f"{cc} failed: {errors[0].strip()}")
@@ -77,11 +79,18 @@ def load():
         lib.ogspo_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         lib.ogspo_gemm.restype = None
         _state["reason"] = None
+        _state["vector_width"] = lib.ogspo_vector_width()
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         lib = None
         _state["reason"] = str(err)
     _state["lib"] = lib
     return lib
+
+
+def vector_width() -> int | None:
+    """Floats per vector register of the loaded build (16: AVX-512, 8: AVX2), None if unavailable."""
+    load()
+    return _state.get("vector_width")
 
 
 def unavailable_reason() -> str | None:
