@@ -252,15 +252,6 @@ class Matmul:
 # ------------------------------------------------------------------------------------ calibration
 
 
-def _median_us(fn, xs, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(xs)
-        out.append((time.perf_counter() - t0) * 1e6)
-    return out
-
-
 def calibrate_kernels(
     weights: dict[str, list[torch.Tensor]],
     *,
@@ -269,6 +260,7 @@ def calibrate_kernels(
     candidates: tuple[str, ...] | None = None,
     max_seconds: float = 300.0,
     lm_head_max_rows: int = 64,
+    pad_margin: float = 0.03,
     seed: int = 0,
     log=None,
 ) -> KernelTable:
@@ -276,7 +268,8 @@ def calibrate_kernels(
     weights in turn (so weights stream from memory as in a real forward, not from cache), in
     shuffled interleaved rounds; keep the fastest per (class, rows), then let a row count take
     the plan of a larger one that was measured cheaper (padding). `max_seconds` caps the timing:
-    rounds stop early (at least one kept) once it is spent. The LM head is timed up to
+    rounds stop early (at least one kept) once it is spent. A row count is padded only to one
+    measured at least `pad_margin` cheaper (not on noise). The LM head is timed up to
     `lm_head_max_rows` (tree sizes; prefill computes one row of logits) and keeps that plan beyond."""
     threads = torch.get_num_threads()
     if candidates is None:
@@ -301,21 +294,26 @@ def calibrate_kernels(
     inputs = {(c, m): torch.randn(m, shapes[c][1], generator=g) for c in weights for m in rows}
     cells = [(c, k, m) for (c, k) in prepared for m in rows if c != "lm_head" or m <= lm_head_max_rows]
     times: dict[tuple[str, str, int], list[float]] = {cell: [] for cell in cells}
+    # numpy's BLAS threads busy-wait after each call and slow whatever runs next on the same cores,
+    # so its cells are timed in a phase of their own, after every other kernel's
+    phases = [[cell for cell in cells if cell[1] != "numpy"], [cell for cell in cells if cell[1] == "numpy"]]
     t_start = time.perf_counter()
-    for r in range(reps + 1):  # round 0 is warm-up
-        order = rng.permutation(len(cells))
-        for i in order:
-            c, k, m = cells[i]
-            wts, x = prepared[(c, k)], inputs[(c, m)]
-            t0 = time.perf_counter()
-            for w in wts:
-                w.apply(k, x)
-            if r > 0:
-                times[(c, k, m)].append((time.perf_counter() - t0) * 1e6)
-        if log is not None:
-            log(f"kernel calibration round {r}/{reps}: {time.perf_counter() - t_start:.0f} s")
-        if r >= 1 and time.perf_counter() - t_start > max_seconds:
-            break
+    for p, phase in enumerate(p for p in phases if p):
+        t_phase = time.perf_counter()
+        budget = max_seconds * len(phase) / len(cells)
+        for r in range(reps + 1):  # round 0 is warm-up
+            for i in rng.permutation(len(phase)):
+                c, k, m = phase[i]
+                wts, x = prepared[(c, k)], inputs[(c, m)]
+                t0 = time.perf_counter()
+                for w in wts:
+                    w.apply(k, x)
+                if r > 0:
+                    times[(c, k, m)].append((time.perf_counter() - t0) * 1e6)
+            if log is not None:
+                log(f"kernel calibration phase {p + 1}, round {r}/{reps}: {time.perf_counter() - t_start:.0f} s")
+            if r >= 1 and time.perf_counter() - t_phase > budget:
+                break
     med = {cell: float(np.median(v)) for cell, v in times.items()}
     choice, pad_to, timings = {}, {}, {}
     for c in weights:
@@ -330,7 +328,10 @@ def calibrate_kernels(
                 choice[c].append(choice[c][-1])
                 pad_to[c].append(m)
                 continue
-            j = min(range(i, len(timed)), key=lambda j: best_t[j])  # cheapest row count >= m
+            # pad to the cheapest larger row count only where it beats this one by `pad_margin`
+            j = min(range(i, len(timed)), key=lambda j: best_t[j])
+            if best_t[j] > (1 - pad_margin) * best_t[i]:
+                j = i
             choice[c].append(best[j])
             pad_to[c].append(timed[j])
     return KernelTable(
