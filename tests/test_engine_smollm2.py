@@ -37,7 +37,8 @@ def mixed_table(model) -> K.KernelTable:
     """Every candidate kernel somewhere in the forward: the kernel of each class changes with the
     row count (and some row counts are padded), as a calibrated table may have it."""
     shapes = {c: list(m.weights[0].w.shape) for c, m in LlamaTreeLM(model, max_len=8).mm.items()}
-    have = [k for k in K.BASE_KERNELS + K.native_kernels(2) if not k.startswith("native") or native.load() is not None]
+    # numpy is left to the tiny-model tests: its spinning BLAS threads make a full-size run slow
+    have = [k for k in K.BASE_KERNELS + K.native_kernels(2) if k != "numpy" and (not k.startswith("native") or native.load() is not None)]
     rows = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
     choice = {c: [have[(i + j) % len(have)] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
     pad_to = {c: [rows[min(j + (j % 2), len(rows) - 1)] for j in range(len(rows))] for c in K.CLASSES}
@@ -51,18 +52,21 @@ def test_every_method_equals_transformers_greedy(smollm2, kernels):
     table = None if kernels == "reference" else mixed_table(model)
     target = make_target(model, max_len=512, kernels=table)
     ties = []
-    for text in PROMPTS:
+    # the mixed table on the tree methods and two prompts (the reference run covers them all)
+    prompts, methods, n_new = (PROMPTS, METHODS, 64) if table is None else (PROMPTS[:2], METHODS[1:4], 40)
+    drafters = {d: make_drafter(d, target_model=model, max_len=512, kernels=table) for _, _, d in methods if d is not None}
+    for text in prompts:
         prompt = tok(text).input_ids
         ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
-        for method, args, drafter in METHODS:
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False)[0, len(prompt):].tolist()
+        for method, args, drafter in methods:
             engine = SpeculativeEngine(
                 target=target,
                 policy=make_policy(method, **args),
-                drafter=None if drafter is None else make_drafter(drafter, target_model=model, max_len=512, kernels=table),
+                drafter=None if drafter is None else drafters[drafter],
                 eos_token_id=tok.eos_token_id,
             )
-            got = engine.generate(prompt, max_new_tokens=64).tokens
+            got = engine.generate(prompt, max_new_tokens=n_new).tokens
             report = compare_greedy(model, prompt, ref, got)
             assert report.equal or report.near_tie, f"{method}/{drafter} ({kernels} kernels) on {text[:30]!r}: {report.describe()}"
             if report.near_tie:
