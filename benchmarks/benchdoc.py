@@ -4,22 +4,13 @@ script's own section of docs/BENCHMARKS.md (between `<!-- name:start -->` and `<
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 from pathlib import Path
 
+from ogspo.engine.kernels import cpu_model  # noqa: F401 (re-exported for the benchmark scripts)
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "BENCHMARKS.md"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def stats(xs: list[float]) -> tuple[float, float, float]:

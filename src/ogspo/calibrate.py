@@ -350,8 +350,7 @@ def calibrate_latency(
 
 
 def kernel_cache_dir() -> Path:
-    base = os.environ.get("OGSPO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "ogspo")
-    return Path(base) / "kernels"
+    return K.native.cache_root() / "kernels"
 
 
 def calibrate_device_kernels(

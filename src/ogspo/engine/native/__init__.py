@@ -26,9 +26,13 @@ _CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _state: dict = {}
 
 
+def cache_root() -> Path:
+    """ogspo's per-user cache folder: $OGSPO_CACHE, else $XDG_CACHE_HOME/ogspo or ~/.cache/ogspo."""
+    return Path(os.environ.get("OGSPO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "ogspo"))
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("OGSPO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "ogspo")
-    return Path(base) / "native"
+    return cache_root() / "native"
 
 
 def _cpu_flags() -> str:
