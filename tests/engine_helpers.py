@@ -7,15 +7,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         initializer_range=0.3,
         bos_token_id=0,

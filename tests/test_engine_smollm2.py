@@ -35,13 +35,18 @@ def smollm2(smollm2_dir):
 
 def mixed_table(model) -> K.KernelTable:
     """Every candidate kernel somewhere in the forward: the kernel of each class changes with the
-    row count (and some row counts are padded), as a calibrated table may have it."""
-    shapes = {c: list(m.weights[0].w.shape) for c, m in LlamaTreeLM(model, max_len=8).mm.items()}
+    row count (and some row counts are padded), as a calibrated table may have it; so do the
+    layer ops (torch's and the native ones)."""
+    lm = LlamaTreeLM(model, max_len=8)
+    shapes = {c: list(m.weights[0].w.shape) for c, m in lm.mm.items()} | {K.LAYER_OPS: lm.layer_ops_shape}
     # numpy is left to the tiny-model tests: its spinning BLAS threads make a full-size run slow
     have = [k for k in K.BASE_KERNELS + K.native_kernels(2) if k != "numpy" and (not k.startswith("native") or native.load() is not None)]
     rows = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
     choice = {c: [have[(i + j) % len(have)] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
     pad_to = {c: [rows[min(j + (j % 2), len(rows) - 1)] for j in range(len(rows))] for c in K.CLASSES}
+    if native.load() is not None:
+        choice[K.LAYER_OPS] = [("native2", "torch", "native1")[j % 3] for j in range(len(rows))]
+        pad_to[K.LAYER_OPS] = list(rows)
     return K.KernelTable(key=K.device_key("cpu", torch.float32), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to)
 
 

@@ -356,8 +356,8 @@ def kernel_cache_dir() -> Path:
 def calibrate_device_kernels(
     hf_model, cfg: dict, *, device: str = "cpu", cache: Path | None = None, log=print
 ) -> tuple[K.KernelTable, bool]:
-    """The kernel table for this model's weight classes on this device (`engine.kernels`), and
-    whether it came from the cache. cfg: the `kernels` config section. The cache key is the device
+    """The kernel table for this model's weight classes and layer ops on this device (`engine.kernels`),
+    and whether it came from the cache. cfg: the `kernels` config section. The cache key is the device
     key (CPU model, torch version, threads, dtype), the weight shapes, the settings and the native
     kernel's source, so any change times afresh. Only CPU kernels are timed: on CUDA the table holds
     the reference kernel (cuBLAS through F.linear) for every class."""
@@ -368,13 +368,14 @@ def calibrate_device_kernels(
         return K.reference_table(shapes, device, lm.dtype, f"only the reference kernel is used on {device}"), False
     threads = torch.get_num_threads()
     candidates = tuple(k for name in cfg["candidates"] for k in (K.native_kernels(threads) if name == "native" else (name,)))
+    layer_ops = {"shape": lm.layer_ops_shape, "n_layers": len(lm.layers), "eps": lm.eps, "context": cfg["layer_ops_context"], "max_rows": 64}
     ident = {"key": K.device_key("cpu", lm.dtype), "shapes": shapes, "rows": cfg["rows"], "reps": cfg["reps"],
-             "candidates": candidates, "native": K.native.SOURCE.read_text()}
+             "candidates": candidates, "layer_ops": layer_ops, "native": K.native.source_texts()}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     cached = (cache or kernel_cache_dir()) / f"kernels-{digest}.json"
     if cfg["cache"] and cached.is_file():
         return K.read_kernel_table(cached), True
-    table = K.calibrate_kernels(weights, rows=cfg["rows"], reps=cfg["reps"], candidates=candidates,
+    table = K.calibrate_kernels(weights, rows=cfg["rows"], reps=cfg["reps"], candidates=candidates, layer_ops=layer_ops,
                                 max_seconds=cfg["max_seconds"], log=log)
     table.meta["cache_key"] = digest
     if cfg["cache"]:

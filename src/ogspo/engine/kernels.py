@@ -22,6 +22,10 @@ candidates differ in the last bits. `native*` gives a row the same bits whatever
 result only depends on the logits it is given; a greedy flip against the 1-row step can happen
 only on a near-tie, which `engine.lossless.compare_greedy` tells apart from a bug).
 
+The table has one more entry, `layer_ops`: which implementation of a layer's non-matmul work
+(`engine.layer_ops`: `torch`, or the native ops on 1, 2, ... threads) runs a single-sequence
+forward of m rows, timed the same way over all layers' caches at a typical context.
+
 Only the weight layouts a table uses are built (a model run without a table keeps none).
 """
 
@@ -39,11 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .layer_ops import TORCH, Step, make_layer_ops
 
-SCHEMA_VERSION = 1
-CLASSES = ("qkv", "o", "gate_up", "down", "lm_head")
+SCHEMA_VERSION = 2
+CLASSES = ("qkv", "o", "gate_up", "down", "lm_head")  # matmul classes
 BASE_KERNELS = ("linear", "matmul_t", "wx_t", "mkldnn", "numpy")
 REFERENCE = "linear"
+LAYER_OPS = "layer_ops"  # the table entry for the non-matmul work of a layer
 
 
 def native_kernels(threads: int) -> tuple[str, ...]:
@@ -133,11 +139,17 @@ class KernelTable:
         pad = self.pad_to[cls][i]
         return self.choice[cls][i], pad if pad != self.rows[i] else m
 
+    def layer_ops(self, m: int) -> str:
+        """The layer-ops implementation for a single-sequence forward of m rows ("torch" where the
+        table has no `layer_ops` entry)."""
+        return self.lookup(LAYER_OPS, m)[0] if LAYER_OPS in self.choice else TORCH
+
     def check_shapes(self, shapes: dict[str, list[int]]) -> None:
-        for cls in CLASSES:
+        for cls in (*CLASSES, *([LAYER_OPS] if LAYER_OPS in self.choice else [])):
             if cls in shapes and list(self.shapes.get(cls, [])) != list(shapes[cls]):
+                what = "layer ops of [heads, kv heads, head dim, dim, intermediate]" if cls == LAYER_OPS else f"{cls} weights of shape"
                 raise ValueError(
-                    f"kernel table was measured for {cls} weights of shape {self.shapes.get(cls)}, this model has "
+                    f"kernel table was measured for {what} {self.shapes.get(cls)}, this model has "
                     f"{list(shapes[cls])}: run `ogspo calibrate-kernels` for this model"
                 )
 
@@ -154,26 +166,27 @@ class KernelTable:
         t = cls(key=doc["key"], shapes=doc["shapes"], rows=[int(r) for r in doc["rows"]], choice=doc["choice"],
                 pad_to={k: [int(x) for x in v] for k, v in doc["pad_to"].items()}, timings_us=doc.get("timings_us", {}),
                 meta=doc.get("meta", {}))
-        known = set(BASE_KERNELS) | set(native_kernels(64))
         for c, ks in t.choice.items():
-            if c not in CLASSES or len(ks) != len(t.rows) or len(t.pad_to.get(c, [])) != len(t.rows):
-                raise ValueError(f"kernel table: class '{c}' must be one of {', '.join(CLASSES)} with one entry per row count")
-            bad = set(ks) - known
+            if c not in (*CLASSES, LAYER_OPS) or len(ks) != len(t.rows) or len(t.pad_to.get(c, [])) != len(t.rows):
+                raise ValueError(f"kernel table: class '{c}' must be one of {', '.join(CLASSES)}, {LAYER_OPS} with one entry per row count")
+            allowed = (TORCH,) if c == LAYER_OPS else BASE_KERNELS
+            bad = set(ks) - set(allowed) - set(native_kernels(64))
             if bad:
-                raise ValueError(f"kernel table: unknown kernel(s) {sorted(bad)} for '{c}'; allowed: {', '.join(BASE_KERNELS)}, native<threads>")
+                raise ValueError(f"kernel table: unknown kernel(s) {sorted(bad)} for '{c}'; allowed: {', '.join(allowed)}, native<threads>")
         return t
 
 
 def reference_table(shapes: dict[str, list[int]], device: str, dtype: torch.dtype, why: str) -> KernelTable:
     """A table that runs every class with the reference kernel (nothing timed), e.g. on CUDA."""
-    return KernelTable(key=device_key(device, dtype), shapes=shapes, rows=[1], choice={c: [REFERENCE] for c in shapes},
+    choice = {c: [TORCH if c == LAYER_OPS else REFERENCE] for c in shapes}
+    return KernelTable(key=device_key(device, dtype), shapes=shapes, rows=[1], choice=choice,
                        pad_to={c: [1] for c in shapes}, meta={"seconds": 0, "not_timed": why})
 
 
 def describe(table: KernelTable) -> str:
     """One line per class: row ranges and their kernel (-> padded row count)."""
     lines = []
-    for c in CLASSES:
+    for c in [c for c in (*CLASSES, LAYER_OPS) if c in table.choice]:
         runs, prev = [], None
         for r, k, p in zip(table.rows, table.choice[c], table.pad_to[c]):
             label = k if p == r else f"{k}->{p}"
@@ -252,12 +265,50 @@ class Matmul:
 # ------------------------------------------------------------------------------------ calibration
 
 
+def layer_ops_shape(*, n_heads: int, kv_heads: int, head_dim: int, dim: int, inter: int) -> list[int]:
+    """The `shapes` entry of `layer_ops`: the sizes its timings depend on (per layer; an early-exit
+    drafter with fewer of the target's layers shares the entry)."""
+    return [n_heads, kv_heads, head_dim, dim, inter]
+
+
+def _layer_ops_runner(name: str, shape: list[int], n_layers: int, eps: float, context: int, rows: list[int], g: torch.Generator):
+    """A function of m that runs the non-matmul work of `n_layers` layers once for m new rows on a
+    `context`-row cache (as a verification forward does), with implementation `name`."""
+    H, KV, hd, dim, inter = shape
+    ops = make_layer_ops(name, n_heads=H, kv_heads=KV, head_dim=hd, eps=eps)
+    m_max = max(rows)
+    max_len = context + m_max
+    keys = [torch.randn(1, KV, max_len, hd, generator=g) for _ in range(n_layers)]
+    values = [torch.randn(1, KV, max_len, hd, generator=g) for _ in range(n_layers)]
+    cos, sin = torch.randn(max_len, hd, generator=g), torch.randn(max_len, hd, generator=g)
+    ln = torch.ones(dim)
+    inputs = {}
+    for m in rows:
+        attend = None if m == 1 else torch.ones(m, m, dtype=torch.bool).tril_()  # a chain: every row sees its ancestors
+        mask = None if m == 1 else torch.cat([torch.ones(m, context, dtype=torch.bool), attend], 1)[None, None]  # [1, 1, m, end]
+        step = Step(positions=torch.arange(context, context + m)[None], start=context, committed=context, attend=attend,
+                    mask=mask, cos_table=cos, sin_table=sin)
+        inputs[m] = (step, torch.randn(1, m, dim, generator=g), 0.01 * torch.randn(1, m, dim, generator=g),
+                     torch.randn(1, m, (H + 2 * KV) * hd, generator=g), torch.randn(1, m, 2 * inter, generator=g))
+
+    def run(m: int) -> None:
+        step, x, r, qkv, gu = inputs[m]
+        for i in range(n_layers):
+            x, h = ops.add_rmsnorm(x, r, ln)
+            ops.rope_attention(qkv, None, step, keys[i], values[i])
+            x, h = ops.add_rmsnorm(x, r, ln)
+            ops.silu_mul(gu)
+
+    return run
+
+
 def calibrate_kernels(
     weights: dict[str, list[torch.Tensor]],
     *,
     rows: list[int],
     reps: int = 5,
     candidates: tuple[str, ...] | None = None,
+    layer_ops: dict | None = None,
     max_seconds: float = 300.0,
     lm_head_max_rows: int = 64,
     pad_margin: float = 0.03,
@@ -270,29 +321,44 @@ def calibrate_kernels(
     the plan of a larger one that was measured cheaper (padding). `max_seconds` caps the timing:
     rounds stop early (at least one kept) once it is spent. A row count is padded only to one
     measured at least `pad_margin` cheaper (not on noise). The LM head is timed up to
-    `lm_head_max_rows` (tree sizes; prefill computes one row of logits) and keeps that plan beyond."""
+    `lm_head_max_rows` (tree sizes; prefill computes one row of logits) and keeps that plan beyond.
+
+    `layer_ops` ({"shape": layer_ops_shape(...), "n_layers", "eps", "context", "max_rows"}) also times the
+    layers' non-matmul work: "torch" against the native ops on each thread count among the
+    candidates, for row counts up to max_rows (tree sizes); longer prefills run torch's (SDPA's
+    blocked attention is built for them; the native ops are not timed there)."""
     threads = torch.get_num_threads()
     if candidates is None:
         candidates = BASE_KERNELS + native_kernels(threads)
     unavailable = {}
     rows = sorted(set(int(r) for r in rows))
     shapes = {c: list(ws[0].shape) for c, ws in weights.items()}
-    prepared = {}
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    runners = {}  # (class, kernel) -> function of the row count
     for c, ws in weights.items():
-        ok = []
         for k in candidates:
             try:
                 wts = [Weight(w, {k}) for w in ws]
                 wts[0].apply(k, torch.zeros(2, ws[0].shape[1]))
-                ok.append(k)
             except (RuntimeError, ValueError) as err:
                 unavailable[k] = str(err).splitlines()[0]
                 continue
-            prepared[(c, k)] = wts
-    rng = np.random.default_rng(seed)
-    g = torch.Generator().manual_seed(seed)
-    inputs = {(c, m): torch.randn(m, shapes[c][1], generator=g) for c in weights for m in rows}
-    cells = [(c, k, m) for (c, k) in prepared for m in rows if c != "lm_head" or m <= lm_head_max_rows]
+            xs = {m: torch.randn(m, shapes[c][1], generator=g) for m in rows if c != "lm_head" or m <= lm_head_max_rows}
+            runners[(c, k)] = lambda m, wts=wts, k=k, xs=xs: [w.apply(k, xs[m]) for w in wts]
+    max_rows = {"lm_head": lm_head_max_rows}
+    if layer_ops is not None:
+        shapes[LAYER_OPS] = list(layer_ops["shape"])
+        max_rows[LAYER_OPS] = layer_ops["max_rows"]
+        ops_rows = [m for m in rows if m <= layer_ops["max_rows"]]
+        for k in (TORCH, *(k for k in candidates if k.startswith("native"))):
+            try:
+                runners[(LAYER_OPS, k)] = _layer_ops_runner(k, shapes[LAYER_OPS], layer_ops["n_layers"], layer_ops["eps"],
+                                                            layer_ops["context"], ops_rows, g)
+            except RuntimeError as err:
+                unavailable[k] = str(err).splitlines()[0]
+    classes = list(weights) + ([LAYER_OPS] if layer_ops is not None else [])
+    cells = [(c, k, m) for (c, k) in runners for m in rows if m <= max_rows.get(c, m)]
     times: dict[tuple[str, str, int], list[float]] = {cell: [] for cell in cells}
     # numpy's BLAS threads busy-wait after each call and slow whatever runs next on the same cores,
     # so its cells are timed in a phase of their own, after every other kernel's
@@ -304,10 +370,9 @@ def calibrate_kernels(
         for r in range(reps + 1):  # round 0 is warm-up
             for i in rng.permutation(len(phase)):
                 c, k, m = phase[i]
-                wts, x = prepared[(c, k)], inputs[(c, m)]
+                run = runners[(c, k)]
                 t0 = time.perf_counter()
-                for w in wts:
-                    w.apply(k, x)
+                run(m)
                 if r > 0:
                     times[(c, k, m)].append((time.perf_counter() - t0) * 1e6)
             if log is not None:
@@ -316,20 +381,21 @@ def calibrate_kernels(
                 break
     med = {cell: float(np.median(v)) for cell, v in times.items()}
     choice, pad_to, timings = {}, {}, {}
-    for c in weights:
-        ks = [k for (cc, k) in prepared if cc == c]
+    for c in classes:
+        ks = [k for (cc, k) in runners if cc == c]
         timed = [m for m in rows if (c, ks[0], m) in med]
         timings[c] = {k: [round(med[(c, k, m)], 1) for m in timed] for k in ks}
         best = [min(ks, key=lambda k: med[(c, k, m)]) for m in timed]
         best_t = [med[(c, best[i], m)] for i, m in enumerate(timed)]
         choice[c], pad_to[c] = [], []
         for i, m in enumerate(rows):
-            if i >= len(timed):  # past the timed rows: the last timed kernel, unpadded
-                choice[c].append(choice[c][-1])
+            if i >= len(timed):  # past the timed rows: the last timed kernel (torch's layer ops), unpadded
+                choice[c].append(TORCH if c == LAYER_OPS else choice[c][-1])
                 pad_to[c].append(m)
                 continue
             # pad to the cheapest larger row count only where it beats this one by `pad_margin`
-            j = min(range(i, len(timed)), key=lambda j: best_t[j])
+            # (matmuls only: the layer ops' cost is not what a padded matmul pays)
+            j = i if c == LAYER_OPS else min(range(i, len(timed)), key=lambda j: best_t[j])
             if best_t[j] > (1 - pad_margin) * best_t[i]:
                 j = i
             choice[c].append(best[j])
@@ -337,5 +403,6 @@ def calibrate_kernels(
     return KernelTable(
         key=device_key("cpu", next(iter(weights.values()))[0].dtype), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to, timings_us=timings,
         meta={"reps": reps, "seconds": round(time.perf_counter() - t_start, 1), "candidates": list(candidates),
-              "unavailable": unavailable, "native_vector_width": native.vector_width()},
+              "unavailable": unavailable, "native_vector_width": native.vector_width(),
+              **({"layer_ops_context": layer_ops["context"]} if layer_ops is not None else {})},
     )

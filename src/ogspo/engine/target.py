@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import KernelTable, Matmul, check_usable
+from .kernels import LAYER_OPS, KernelTable, Matmul, check_usable, layer_ops_shape
+from .layer_ops import TORCH, Step, TorchLayerOps, make_layer_ops
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2"}
 
@@ -127,11 +128,6 @@ def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
 class LlamaTreeLM(TreeLM):
     """Tree forward for Llama-like transformers models, weights shared with the HF module."""
 
@@ -180,15 +176,20 @@ class LlamaTreeLM(TreeLM):
                 fused["down"].append(m.down_proj.weight)  # [dim, inter]
                 self.layers.append(dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight))
         shapes = {c: list(ws[0].shape) for c, ws in fused.items()} | {"lm_head": list(self.lm_head.shape)}
+        self.layer_ops_shape = layer_ops_shape(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                               dim=self.embed.shape[1], inter=fused["gate_up"][0].shape[0] // 2)
+        shapes[LAYER_OPS] = self.layer_ops_shape
         if kernels is not None:
             check_usable(kernels, str(self.device), self.dtype)
             kernels.check_shapes(shapes)
         self.kernels = kernels
-        self.mm = {c: Matmul(c, ws, kernels) for c, ws in fused.items()}
+        self.mm = {c: Matmul(c, ws, kernels) for c, ws in fused.items()}  # the matmul classes
         self.mm["lm_head"] = Matmul("lm_head", [self.lm_head], kernels)
         rot = inner.rotary_emb
         self.max_len = max_len
         self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
+        self._ops_torch = TorchLayerOps(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
+        self._ops = {TORCH: self._ops_torch}
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -201,54 +202,47 @@ class LlamaTreeLM(TreeLM):
             device=self.device,
         )
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * w
+    def layer_ops(self, m: int):
+        """The layer-ops implementation the kernel table picked for single-sequence forwards of m rows."""
+        name = TORCH if self.kernels is None or self.device.type != "cpu" else self.kernels.layer_ops(m)
+        ops = self._ops.get(name)
+        if ops is None:
+            ops = self._ops[name] = make_layer_ops(name, n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
+        return ops
 
-    def _layers(self, x, cos, sin, keys, values, start: int, attn_mask):
-        """The decoder layers over B sequences of m new tokens: x [B, m, dim], cos/sin [B or 1, m, 1, hd];
-        keys/values: per-layer caches [B, KV, max_len, hd] whose rows start..start+m are written here;
-        attn_mask [B or 1, 1, m, start + m] bool or None (causal single token). Returns the final
-        hidden state [B, m, dim] (before the norm) and the chosen feature layers' outputs."""
-        B, m, _ = x.shape
-        end = start + m
-        hd, H, KV, mm = self.head_dim, self.n_heads, self.kv_heads, self.mm
+    def _layers(self, x, step: Step, keys, values, ops):
+        """The decoder layers and the final norm over B sequences of m new tokens: x [B, m, dim] the
+        embeddings; keys/values: per-layer caches [B, KV, max_len, hd] whose rows step.start..+m
+        are written here. Returns the normed final hidden state [B, m, dim] and the chosen feature
+        layers' outputs [B, m, n_feat * dim] (or None)."""
+        mm = self.mm
         feats: dict[int, torch.Tensor] = {}
+        r = None  # the residual branch not yet added to x
         for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            qkv = mm["qkv"](i, h)  # [B, m, (H + 2KV) * hd]
-            if L["bqkv"] is not None:
-                qkv = qkv + L["bqkv"]
-            heads = qkv.view(B, m, H + 2 * KV, hd)
-            qk = heads[:, :, : H + KV]  # [B, m, H + KV, hd]: queries and keys get the rotary embedding at once
-            qk = qk * cos + _rotate_half(qk) * sin
-            q = qk[:, :, :H].transpose(1, 2)  # [B, H, m, hd]
-            keys[i][:, :, start:end] = qk[:, :, H:].transpose(1, 2)  # [B, KV, m, hd]
-            values[i][:, :, start:end] = heads[:, :, H + KV :].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=attn_mask, enable_gqa=H != KV
-            )  # [B, H, m, hd]
-            x = x + mm["o"](i, o.transpose(1, 2).reshape(B, m, H * hd))  # [B, m, dim]
-            h = self._rms(x, L["ln2"])
-            g, u = mm["gate_up"](i, h).chunk(2, dim=-1)  # [B, m, inter] each
-            x = x + mm["down"](i, F.silu(g) * u)  # [B, m, dim]
-            if i in self.feature_layers:
-                feats[i] = x
+            x, h = ops.add_rmsnorm(x, r, L["ln1"])  # x: the output of layer i - 1
+            if i - 1 in self.feature_layers:
+                feats[i - 1] = x.clone()  # the native ops update x in place
+            o = ops.rope_attention(mm["qkv"](i, h), L["bqkv"], step, keys[i], values[i])  # [B, m, H * hd]
+            x, h = ops.add_rmsnorm(x, mm["o"](i, o), L["ln2"])
+            r = mm["down"](i, ops.silu_mul(mm["gate_up"](i, h)))  # [B, m, dim]
+        x, h = ops.add_rmsnorm(x, r, self.norm)
+        if len(self.layers) - 1 in self.feature_layers:
+            feats[len(self.layers) - 1] = x
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
-        return x, features
+        return h, features
 
     @torch.inference_mode()
     def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
         c = self.cache
         m = tokens.shape[0]
         mask = self.full_mask(attend, m)  # [m, end+m] bool or None
+        committed = c.length
         start = c.reserve(m)
-        cos = self.cos[positions][None, :, None]  # [1, m, 1, hd]
-        sin = self.sin[positions][None, :, None]
+        step = Step(positions=positions[None], start=start, committed=committed, attend=attend,
+                    mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin)
         x = F.embedding(tokens, self.embed)[None]  # [1, m, dim]
-        attn_mask = None if mask is None else mask[None, None]  # [1, 1, m, end]
-        x, features = self._layers(x, cos, sin, c.keys, c.values, start, attn_mask)
-        h = self._rms(x[0], self.norm)  # [m, dim]
+        h, features = self._layers(x, step, c.keys, c.values, self.layer_ops(m))
+        h = h[0]  # [m, dim]
         if logits_rows is not None:
             h = h[logits_rows]
         return ForwardOut(logits=self.mm["lm_head"](0, h), features=None if features is None else features[0])
@@ -268,15 +262,13 @@ class LlamaTreeLM(TreeLM):
         [B, m, n_feat * dim]. A padding row attends to itself only, so every row stays finite."""
         B, m = tokens.shape
         start = cache.length
-        cos = self.cos[positions][:, :, None]  # [B, m, 1, hd]
-        sin = self.sin[positions][:, :, None]
         new = torch.ones(m, m, dtype=torch.bool).tril_() & valid[:, None, start : start + m]  # [B, m, m]
         new |= torch.eye(m, dtype=torch.bool)
         mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]
+        step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin)
         x = F.embedding(tokens, self.embed)  # [B, m, dim]
-        x, features = self._layers(x, cos, sin, cache.keys, cache.values, start, mask)
+        h, features = self._layers(x, step, cache.keys, cache.values, self._ops_torch)
         cache.length = start + m
-        h = self._rms(x, self.norm)
         return ForwardOut(logits=self.mm["lm_head"](0, h), features=features)
 
 

@@ -1,6 +1,8 @@
-"""The engine's own small-row fp32 GEMM (`gemm.c` beside this file), compiled on first use.
+"""The engine's own CPU kernels, compiled on first use: the small-row fp32 GEMM (`gemm.c`) and the
+fused non-matmul work of a decoder layer (`ops.c`: residual + RMSNorm, rotary embedding + cache
+write + tree attention, SiLU-gate).
 
-The C source is built with the machine's C compiler for the machine it runs on (`-march=native`,
+The C sources are built with the machine's C compiler for the machine it runs on (`-march=native`,
 so AVX-512 where the CPU has it, AVX2 otherwise; `OGSPO_NATIVE_MARCH=x86-64-v3` builds the AVX2
 variant anywhere, which the tests use) into a per-user cache folder keyed by the source, the
 compiler, the flags and the CPU flags, then loaded with ctypes. torch is imported first so the library's
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemm.c")
+SOURCES = (Path(__file__).with_name("gemm.c"), Path(__file__).with_name("ops.c"))
 _CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _state: dict = {}
 
@@ -33,6 +35,11 @@ def cache_root() -> Path:
 
 def cache_dir() -> Path:
     return cache_root() / "native"
+
+
+def source_texts() -> list[str]:
+    """The C sources' texts (part of every cache key that depends on the kernels)."""
+    return [s.read_text() for s in SOURCES]
 
 
 def _cpu_flags() -> str:
@@ -48,7 +55,7 @@ def _cpu_flags() -> str:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
     flags = [f"-march={os.environ.get('OGSPO_NATIVE_MARCH') or 'native'}", *_CFLAGS]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, " ".join(flags), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([*source_texts(), version, " ".join(flags), _cpu_flags()]).encode()).hexdigest()[:16]
     lib = cache_dir() / f"libogspo_gemm-{key}.so"
     if lib.is_file():
         return lib
@@ -56,7 +63,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines() or [str(proc.returncode)]
             raise RuntimeError(f"{cc} failed: {errors[0].strip()}")
@@ -82,8 +89,16 @@ def load():
         lib.ogspo_pack.restype = None
         lib.ogspo_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         lib.ogspo_gemm.restype = None
+        f32 = ctypes.c_float
+        lib.ogspo_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
+        lib.ogspo_add_rmsnorm.restype = None
+        lib.ogspo_silu_mul.argtypes = [ptr, ptr, i64, i64]
+        lib.ogspo_silu_mul.restype = None
+        lib.ogspo_rope_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+        lib.ogspo_rope_attention.restype = None
         _state["reason"] = None
         _state["vector_width"] = lib.ogspo_vector_width()
+        assert lib.ogspo_ops_vector_width() == _state["vector_width"]
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         lib = None
         _state["reason"] = str(err)

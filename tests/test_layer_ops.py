@@ -1,0 +1,165 @@
+"""The layers' non-matmul work (engine.layer_ops): torch ops and the native ops agree, the native
+attention gives a token the same bits alone or inside any tree, and a target switching between
+them by row count stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import hf_greedy, tiny_model
+from ogspo.engine import kernels as K
+from ogspo.engine import native
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.layer_ops import Step, TorchLayerOps, make_layer_ops
+from ogspo.engine.policies import DynamicTree, StaticTree, chain
+from ogspo.engine.target import LlamaTreeLM
+from ogspo.engine.tree import Structure
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernel not built here: {native.unavailable_reason()}")
+H, KV, HD, DIM, INTER, MAX_LEN = 6, 2, 32, 96, 80, 128
+
+
+def _ops(name):
+    return make_layer_ops(name, n_heads=H, kv_heads=KV, head_dim=HD, eps=1e-5)
+
+
+def _tree(m: int, g: torch.Generator):
+    """A random tree of m pending nodes (node 0 the root; a parent precedes its children): its
+    ancestor mask [m, m] (self included) and depths."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, m)]
+    attend = torch.zeros(m, m, dtype=torch.bool)
+    depth = [0] * m
+    for i in range(m):
+        j = i
+        while j >= 0:
+            attend[i, j] = True
+            j = parents[j]
+        depth[i] = int(attend[i].sum()) - 1
+    return attend, torch.tensor(depth), parents
+
+
+def _caches(g, context):
+    keys = torch.zeros(1, KV, MAX_LEN, HD)
+    values = torch.zeros(1, KV, MAX_LEN, HD)
+    keys[:, :, :context] = torch.randn(1, KV, context, HD, generator=g)
+    values[:, :, :context] = torch.randn(1, KV, context, HD, generator=g)
+    return keys, values
+
+
+def _rope(g):
+    return torch.randn(MAX_LEN, HD, generator=g), torch.randn(MAX_LEN, HD, generator=g)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_ops_match_torch(m, with_bias):
+    g = torch.Generator().manual_seed(m)
+    context = 40
+    attend, depth, _ = _tree(m, g)
+    attend = None if m == 1 else attend
+    cos, sin = _rope(g)
+    mask = None if attend is None else torch.cat([torch.ones(m, context, dtype=torch.bool), attend], 1)[None, None]
+    step = Step(positions=(context + depth)[None], start=context, committed=context, attend=attend, mask=mask, cos_table=cos, sin_table=sin)
+    qkv = torch.randn(1, m, (H + 2 * KV) * HD, generator=g)
+    bias = torch.randn((H + 2 * KV) * HD, generator=g) if with_bias else None
+    x, r, w = torch.randn(1, m, DIM, generator=g), torch.randn(1, m, DIM, generator=g), torch.randn(DIM, generator=g)
+    gu = torch.randn(1, m, 2 * INTER, generator=g)
+    ref = TorchLayerOps(n_heads=H, kv_heads=KV, head_dim=HD, eps=1e-5)
+    k_ref, v_ref = _caches(torch.Generator().manual_seed(0), context)
+    o_ref = ref.rope_attention(qkv, bias, step, k_ref, v_ref)
+    x_ref, h_ref = ref.add_rmsnorm(x, r, w)
+    for name in ("native1", "native2"):
+        ops = _ops(name)
+        k, v = _caches(torch.Generator().manual_seed(0), context)
+        torch.testing.assert_close(ops.rope_attention(qkv, bias, step, k, v), o_ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)  # the new rows' keys and values written
+        torch.testing.assert_close(v, v_ref, atol=1e-6, rtol=1e-6)
+        xn, hn = ops.add_rmsnorm(x.clone(), r, w)
+        torch.testing.assert_close(xn, x_ref)
+        torch.testing.assert_close(hn, h_ref, atol=1e-5, rtol=1e-5)
+        xn, hn = ops.add_rmsnorm(x.clone(), None, w)  # no residual: the norm alone
+        torch.testing.assert_close(hn, ref.add_rmsnorm(x, None, w)[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), atol=1e-6, rtol=1e-5)
+
+
+def test_native_attention_gives_a_token_the_same_bits_alone_or_in_any_tree():
+    """Verify a tree of 12 nodes at once; then, for every node, decode its root-to-node path one
+    token at a time (the ancestors committed at contiguous rows, as after acceptance): the node's
+    attention output is bitwise the same, on 1 or 2 threads."""
+    g = torch.Generator().manual_seed(5)
+    context, m = 33, 12
+    attend, depth, parents = _tree(m, g)
+    cos, sin = _rope(g)
+    qkv = torch.randn(1, m, (H + 2 * KV) * HD, generator=g)
+    tree_step = Step(positions=(context + depth)[None], start=context, committed=context, attend=attend, mask=None, cos_table=cos, sin_table=sin)
+    for name in ("native1", "native2"):
+        ops = _ops(name)
+        k, v = _caches(torch.Generator().manual_seed(1), context)
+        tree_out = ops.rope_attention(qkv, None, tree_step, k, v)[0]  # [m, H * hd]
+        for node in range(m):
+            path = []
+            j = node
+            while j >= 0:
+                path.insert(0, j)
+                j = parents[j]
+            k, v = _caches(torch.Generator().manual_seed(1), context)
+            for t, j in enumerate(path):
+                one = Step(positions=torch.tensor([[context + t]]), start=context + t, committed=context + t, attend=None, mask=None,
+                           cos_table=cos, sin_table=sin)
+                out = _ops("native1" if t % 2 else "native2").rope_attention(qkv[:, j : j + 1], None, one, k, v)[0, 0]
+            assert torch.equal(out, tree_out[node]), (name, node)
+
+
+def test_a_target_switching_layer_ops_by_row_count_is_lossless():
+    """fp32 tiny target (head dim 16) whose table runs the native layer ops at some row counts and
+    torch's at others: every tree policy equals transformers' greedy decoding token for token."""
+    target_model = tiny_model(0, hidden=64, heads=4, kv_heads=2).float()
+    draft_model = tiny_model(1, hidden=64, heads=4, kv_heads=2).float()
+    lm = LlamaTreeLM(target_model, max_len=8)
+    shapes = {c: list(m.weights[0].w.shape) for c, m in lm.mm.items()} | {K.LAYER_OPS: lm.layer_ops_shape}
+    rows = [1, 2, 3, 4, 6, 8, 16]
+    ops = ["native2", "torch", "native1", "native2", "torch", "native1", "native2"]
+    choice = {c: ["linear"] * len(rows) for c in K.CLASSES} | {K.LAYER_OPS: ops}
+    table = K.KernelTable(key=K.device_key("cpu", torch.float32), shapes=shapes, rows=rows, choice=choice,
+                          pad_to={c: list(rows) for c in choice})
+    target = LlamaTreeLM(target_model, max_len=256, kernels=table)
+    assert target.layer_ops(1).name == "native2" and target.layer_ops(5).name == "torch" and target.layer_ops(40).name == "native2"  # past the table: its last entry
+    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
+    for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
+        ref = hf_greedy(target_model, prompt, 30)
+        for policy in policies:
+            engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
+            assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
+
+
+def test_calibration_times_the_layer_ops_for_tree_sizes_only():
+    g = torch.Generator().manual_seed(3)
+    weights = {"o": [torch.randn(64, 64, generator=g) for _ in range(2)]}
+    shape = K.layer_ops_shape(n_heads=H, kv_heads=KV, head_dim=HD, dim=DIM, inter=INTER)
+    rows = [1, 2, 4, 8, 128]
+    t = K.calibrate_kernels(weights, rows=rows, reps=2, candidates=("linear", "native1", "native2"), max_seconds=30,
+                            layer_ops={"shape": shape, "n_layers": 2, "eps": 1e-5, "context": 24, "max_rows": 8})
+    assert set(t.timings_us[K.LAYER_OPS]) == {"torch", "native1", "native2"}
+    assert all(len(v) == 4 for v in t.timings_us[K.LAYER_OPS].values())  # 1..8 rows timed, not the 128-row prefill
+    assert t.choice[K.LAYER_OPS][-1] == "torch" and t.pad_to[K.LAYER_OPS] == rows  # past the timed rows: torch; never padded
+    assert t.shapes[K.LAYER_OPS] == shape and t.meta["layer_ops_context"] == 24
+    with pytest.raises(ValueError, match=r"layer ops of \[heads, kv heads, head dim, dim, intermediate\]"):
+        t.check_shapes({K.LAYER_OPS: [3, *shape[1:]]})  # another head count
+    doc = t.to_json()
+    doc["choice"][K.LAYER_OPS][0] = "cuda"
+    with pytest.raises(ValueError, match=r"unknown kernel\(s\) \['cuda'\] for 'layer_ops'; allowed: torch, native<threads>"):
+        K.KernelTable.from_json(doc)
+
+
+def test_native_ops_refuse_what_they_do_not_run():
+    with pytest.raises(RuntimeError, match="head dimension that is a multiple of"):
+        make_layer_ops("native1", n_heads=4, kv_heads=2, head_dim=native.vector_width() + 4, eps=1e-5)
+    with pytest.raises(ValueError, match="unknown layer ops 'fast'; allowed: torch, native<threads>"):
+        make_layer_ops("fast", n_heads=4, kv_heads=2, head_dim=16, eps=1e-5)
+    ops = _ops("native1")
+    step = Step(positions=torch.zeros(2, 1, dtype=torch.long), start=0, committed=0, attend=None, mask=None,
+                cos_table=torch.zeros(4, HD), sin_table=torch.zeros(4, HD))
+    with pytest.raises(ValueError, match="single-sequence"):
+        ops.rope_attention(torch.zeros(2, 1, (H + 2 * KV) * HD), None, step, torch.zeros(2, KV, 4, HD), torch.zeros(2, KV, 4, HD))
