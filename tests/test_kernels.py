@@ -180,3 +180,11 @@ def test_avx2_build_computes_the_product_batch_invariantly(tmp_path):
     env = dict(os.environ, OGSPO_NATIVE_MARCH="x86-64-v3", OGSPO_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_native_kernel_within_the_margin_of_the_fastest_is_kept():
+    """Within the timing noise the batch-invariant kernel wins; beyond it, the fastest."""
+    assert K._pick(["linear", "native2", "native1"], {"linear": 100.0, "native2": 102.0, "native1": 110.0}, 0.03) == "native2"
+    assert K._pick(["linear", "native2"], {"linear": 100.0, "native2": 104.0}, 0.03) == "linear"
+    assert K._pick(["linear", "matmul_t"], {"linear": 100.0, "matmul_t": 99.0}, 0.03) == "matmul_t"
+    assert K._pick(["torch", "native2"], {"torch": 90.0, "native2": 92.0}, 0.03) == "native2"

@@ -265,6 +265,17 @@ class Matmul:
 # ------------------------------------------------------------------------------------ calibration
 
 
+def _pick(kernels: list[str], t: dict[str, float], margin: float) -> str:
+    """The fastest kernel, or the fastest native (batch-invariant) one if it is within `margin`."""
+    fastest = min(kernels, key=t.get)
+    invariant = [k for k in kernels if k.startswith("native")]
+    if invariant:
+        k = min(invariant, key=t.get)
+        if t[k] <= (1 + margin) * t[fastest]:
+            return k
+    return fastest
+
+
 def layer_ops_shape(*, n_heads: int, kv_heads: int, head_dim: int, dim: int, inter: int) -> list[int]:
     """The `shapes` entry of `layer_ops`: the sizes its timings depend on (per layer; an early-exit
     drafter with fewer of the target's layers shares the entry)."""
@@ -312,6 +323,7 @@ def calibrate_kernels(
     max_seconds: float = 300.0,
     lm_head_max_rows: int = 64,
     pad_margin: float = 0.03,
+    invariant_margin: float = 0.03,
     seed: int = 0,
     log=None,
 ) -> KernelTable:
@@ -322,6 +334,9 @@ def calibrate_kernels(
     rounds stop early (at least one kept) once it is spent. A row count is padded only to one
     measured at least `pad_margin` cheaper (not on noise). The LM head is timed up to
     `lm_head_max_rows` (tree sizes; prefill computes one row of logits) and keeps that plan beyond.
+    A native kernel measured within `invariant_margin` of the fastest is kept instead of it: within
+    the timing noise, a batch-invariant kernel is worth more (a row's logits then do not depend on
+    the tree size, so greedy decoding cannot flip on a near-tie, and two calibrations agree).
 
     `layer_ops` ({"shape": layer_ops_shape(...), "n_layers", "eps", "context", "max_rows"}) also times the
     layers' non-matmul work: "torch" against the native ops on each thread count among the
@@ -385,7 +400,7 @@ def calibrate_kernels(
         ks = [k for (cc, k) in runners if cc == c]
         timed = [m for m in rows if (c, ks[0], m) in med]
         timings[c] = {k: [round(med[(c, k, m)], 1) for m in timed] for k in ks}
-        best = [min(ks, key=lambda k: med[(c, k, m)]) for m in timed]
+        best = [_pick(ks, {k: med[(c, k, m)] for k in ks}, invariant_margin) for m in timed]
         best_t = [med[(c, best[i], m)] for i, m in enumerate(timed)]
         choice[c], pad_to[c] = [], []
         for i, m in enumerate(rows):

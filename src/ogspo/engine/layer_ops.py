@@ -50,6 +50,12 @@ class Step:
         return self.positions.shape[-1]
 
     @cached_property
+    def row_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Single sequence: positions [m] and attend, contiguous (what C code reads)."""
+        attend = None if self.attend is None else self.attend.contiguous()
+        return self.positions[0].contiguous(), attend
+
+    @cached_property
     def cos(self) -> torch.Tensor:
         return self.cos_table[self.positions][:, :, None]  # [B, m, 1, hd]
 
@@ -127,12 +133,7 @@ class NativeLayerOps:
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         H, KV, hd = self.H, self.KV, self.hd
-        attend = step.attend
-        if attend is not None and not attend.is_contiguous():
-            attend = attend.contiguous()
-        positions = step.positions[0]
-        if not positions.is_contiguous():
-            positions = positions.contiguous()
+        positions, attend = step.row_inputs  # computed once per forward
         out = torch.empty(1, m, H * hd, dtype=torch.float32)
         self._lib.ogspo_rope_attention(
             qkv.data_ptr(), None if bias is None else bias.data_ptr(), positions.data_ptr(), step.cos_table.data_ptr(),
