@@ -358,7 +358,7 @@ def calibrate_device_kernels(
 ) -> tuple[K.KernelTable, bool]:
     """The kernel table for this model's weight classes and layer ops on this device (`engine.kernels`),
     and whether it came from the cache. cfg: the `kernels` config section. The cache key is the device
-    key (CPU model, torch version, threads, dtype), the weight shapes, the settings and the native
+    key (CPU model, torch version, threads, dtype), the weight shapes, the settings, the selection rule and the native
     kernel's source, so any change times afresh. Only CPU kernels are timed: on CUDA the table holds
     the reference kernel (cuBLAS through F.linear) for every class."""
     lm = LlamaTreeLM(hf_model, max_len=8)  # reference kernels only: just to collect the fused weights
@@ -370,7 +370,7 @@ def calibrate_device_kernels(
     candidates = tuple(k for name in cfg["candidates"] for k in (K.native_kernels(threads) if name == "native" else (name,)))
     layer_ops = {"shape": lm.layer_ops_shape, "n_layers": len(lm.layers), "eps": lm.eps, "context": cfg["layer_ops_context"], "max_rows": 64}
     ident = {"key": K.device_key("cpu", lm.dtype), "shapes": shapes, "rows": cfg["rows"], "reps": cfg["reps"],
-             "candidates": candidates, "layer_ops": layer_ops, "native": K.native.source_texts()}
+             "candidates": candidates, "layer_ops": layer_ops, "selection": K.SELECTION, "native": K.native.source_texts()}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     cached = (cache or kernel_cache_dir()) / f"kernels-{digest}.json"
     if cfg["cache"] and cached.is_file():
