@@ -1,4 +1,4 @@
-# Stage: baselines built from the same records (DESIGN §7), all workloads at one temperature.
+# Stage: baselines built from the same records (docs/DESIGN.md §7), all workloads at one temperature.
 # - build_sequoia: Sequoia-style static tree (DP over positional acceptance, size by the latency model);
 #   structure.json (empty list = autoregressive) + sequoia.json with the figures.
 # - train_routing: pre-drafting routing classifier over a few templates; router.json + train.json.

@@ -1,4 +1,4 @@
-# Stage: per-device latency model (DESIGN §4): t_verify table over tree size x context length,
+# Stage: per-device latency model (docs/DESIGN.md §4): t_verify table over tree size x context length,
 # t_draft over frontier width, t_fixed from real engine cycles; held-out validation error.
 
 

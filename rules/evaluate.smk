@@ -1,4 +1,4 @@
-# Stage: side-by-side evaluation (DESIGN §7) and the report.
+# Stage: side-by-side evaluation (docs/DESIGN.md §7) and the report.
 # - tune_eagle: the fair EAGLE-3 baseline, a grid of dynamic trees decoded for real on train prompts,
 #   per workload, at one temperature (winner = highest median throughput).
 # - evaluate: every method of `evaluate.methods` on the held-out eval prompts of every workload at every

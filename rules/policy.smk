@@ -1,4 +1,4 @@
-# Stage: OGSPO (DESIGN §5) from all workloads' records at one temperature.
+# Stage: OGSPO (docs/DESIGN.md §5) from all workloads' records at one temperature.
 # - ogspo_rounds: from the oracle's structure, alternate policy updates (backward induction) and structure
 #   updates (SCIP), each candidate policy checked by same-trace executions (the real engine, target and
 #   drafter re-running record cycles with their random numbers) and accepted only if its corrected J

@@ -1,4 +1,4 @@
-# Stage: posterior verification records (DESIGN §3): per workload and temperature, draft and
+# Stage: posterior verification records (docs/DESIGN.md §3): per workload and temperature, draft and
 # verify the whole template T every cycle; resumable parquet shards. Then a summary.
 # The declared output is a completion flag, not the folder: Snakemake deletes a job's outputs
 # before (re)running it, and the shards already written must survive an interrupted run.

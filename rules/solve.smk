@@ -1,4 +1,4 @@
-# Stage: OGSPO oracle (DESIGN §5 step 0): posterior-optimal structure S ⊆ T and per-cycle stop depths
+# Stage: OGSPO oracle (docs/DESIGN.md §5 step 0): posterior-optimal structure S ⊆ T and per-cycle stop depths
 # over all workloads' records at one temperature, by Dinkelbach iterations with SCIP.
 
 

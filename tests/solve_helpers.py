@@ -42,7 +42,7 @@ def synthetic_cycles(template: Structure, n_cycles: int, *, seed: int = 0, p0: f
 
 
 def synthetic_latency(*, verify_base: float = 0.11, knee: int = 4, draft: float = 0.012, fixed: float = 0.004) -> LatencyModel:
-    """Roughly the 2-core CPU shape of DESIGN §4: 1 token ~110 ms, 4-16 tokens ~180 ms, then rising."""
+    """Roughly the 2-core CPU shape of docs/DESIGN.md §4: 1 token ~110 ms, 4-16 tokens ~180 ms, then rising."""
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     a = [verify_base, verify_base + 0.04, verify_base + 0.07, verify_base + 0.075, verify_base + 0.08,
          verify_base + 0.14, verify_base + 0.27, verify_base + 0.55]

@@ -1,4 +1,4 @@
-"""Baselines from records: the Sequoia-style static tree and pre-drafting routing (DESIGN §7).
+"""Baselines from records: the Sequoia-style static tree and pre-drafting routing (docs/DESIGN.md §7).
 
 Tiny float64 models and synthetic records only (fast)."""
 

@@ -3,7 +3,7 @@
 `calibrate_device_kernels`: the kernel table of `engine.kernels` for the target's weight shapes
 (cached per machine, so a rerun of the workflow does not time it again).
 
-`calibrate_latency`: the per-device latency model of DESIGN §4, measured on real shapes.
+`calibrate_latency`: the per-device latency model of docs/DESIGN.md §4, measured on real shapes.
 
 - t_verify(n, L): one target tree forward of n tree tokens (root included, ancestor mask of a bushy
   tree) over a KV cache holding L committed tokens, through the engine's own code path
@@ -90,7 +90,7 @@ class LatencyModel:
         return np.where(w <= 0, 0.0, _interp(w, xs, ys))
 
     def t_cycle(self, level_widths, n_verify, L):
-        """DESIGN §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed (level_widths: frontier widths)."""
+        """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed (level_widths: frontier widths)."""
         draft = float(np.sum(self.t_draft(np.asarray(list(level_widths), dtype=np.float64)))) if len(level_widths) else 0.0
         return draft + self.t_verify(n_verify, L) + self.fixed
 
@@ -262,7 +262,7 @@ def calibrate_latency(
     fixed_cycles: int = 12,
     meta: dict | None = None,
 ) -> LatencyCalibration:
-    """Measure the latency model of DESIGN §4 on this device (see the module docstring)."""
+    """Measure the latency model of docs/DESIGN.md §4 on this device (see the module docstring)."""
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.policies import StaticTree
 

@@ -188,7 +188,7 @@ class CycleLog:
 
 
 def predicted_seconds(cycles: list[tuple[list[int], int, int]], latency) -> float:
-    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed (DESIGN §4)."""
+    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed (docs/DESIGN.md §4)."""
     return float(sum(float(latency.t_cycle(w, n, L)) for w, n, L in cycles))
 
 

@@ -1,4 +1,4 @@
-"""OGSPO policy update (DESIGN §5): a stop policy evaluated *during* drafting, learned from records.
+"""OGSPO policy update (docs/DESIGN.md §5): a stop policy evaluated *during* drafting, learned from records.
 
 **State features.** After drafting level d of a cycle under a structure S, `state_features` turns what
 drafting has revealed so far into a fixed vector (order = `FEATURE_NAMES`, version `FEATURES_VERSION`).

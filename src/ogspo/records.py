@@ -1,4 +1,4 @@
-"""Stage `collect_records`: posterior verification records (DESIGN §3).
+"""Stage `collect_records`: posterior verification records (docs/DESIGN.md §3).
 
 Each cycle drafts the whole superset template T (`StaticTree(T)`), verifies all of T in one target
 pass and commits the accepted path as usual. A *shard* covers `shard_size` consecutive prompts and

@@ -1,4 +1,4 @@
-"""Replay of posterior verification records under any sub-structure (DESIGN §3, §4).
+"""Replay of posterior verification records under any sub-structure (docs/DESIGN.md §3, §4).
 
 For a left- and ancestor-closed S ⊆ T and a stop depth d, with the same random numbers, the path
 accepted under S_{<=d} is the longest prefix of the T-path that lies in S_{<=d}, so

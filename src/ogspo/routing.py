@@ -1,4 +1,4 @@
-"""Pre-drafting routing baseline (DESIGN §7): a classifier picks one of a few templates per cycle
+"""Pre-drafting routing baseline (docs/DESIGN.md §7): a classifier picks one of a few templates per cycle
 *before* drafting, and the cycle drafts that template fully (no stop decisions during drafting).
 
 **Templates.** A short config list of sub-structures of the records template T (`[]` = autoregressive,

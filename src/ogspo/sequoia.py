@@ -1,4 +1,4 @@
-"""Sequoia-style static tree baseline (DESIGN §7), built from posterior verification records.
+"""Sequoia-style static tree baseline (docs/DESIGN.md §7), built from posterior verification records.
 
 **Positional acceptance.** Sequoia assumes that the probability that the accepted child of an accepted
 node is its r-th ranked child depends only on r (optionally on the depth too). From records:

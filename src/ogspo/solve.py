@@ -1,4 +1,4 @@
-"""Stage `solve_oracle`: the OGSPO mixed-integer fractional programs (DESIGN §5), solved with SCIP.
+"""Stage `solve_oracle`: the OGSPO mixed-integer fractional programs (docs/DESIGN.md §5), solved with SCIP.
 
 **Oracle (step 0).** Choose a structure S ⊆ T and one stop depth per cycle to maximise
 sum_c A_c(S, d_c) / sum_c t_c(S, d_c). **Structure update.** With per-cycle stop probabilities
@@ -699,7 +699,7 @@ def solve_oracle(
     template: Structure | None = None,
     config: dict | None = None,
 ) -> OracleResult:
-    """Posterior-optimal structure and per-group stop depths (DESIGN §5 step 0) by Dinkelbach + SCIP."""
+    """Posterior-optimal structure and per-group stop depths (docs/DESIGN.md §5 step 0) by Dinkelbach + SCIP."""
     cfg = solve_settings(config)
     info = _checked_template_info(cycles, template)
     groups = group_cycles(cycles=cycles, latency=latency, context_buckets=int(cfg["context_buckets"]))
@@ -795,7 +795,7 @@ def solve_structure(
     template: Structure | None = None,
     config: dict | None = None,
 ) -> StructureResult:
-    """Structure update (DESIGN §5): S maximising the stop-probability-weighted ratio, policy fixed."""
+    """Structure update (docs/DESIGN.md §5): S maximising the stop-probability-weighted ratio, policy fixed."""
     cfg = solve_settings(config)
     info = _checked_template_info(cycles, template)
     enc = build_structure_milp(cycles=cycles, info=info, latency=latency, stop_probs=stop_probs)

@@ -1,4 +1,4 @@
-"""The decoding cycle (DESIGN §1): draft level by level, verify the tree in one target pass,
+"""The decoding cycle (docs/DESIGN.md §1): draft level by level, verify the tree in one target pass,
 commit the accepted path plus a bonus token, and compact the KV cache to the accepted rows."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ level), followed by drafted nodes in breadth-first order: a node's parent always
 Every node has a token, a parent (-1 for the root), a depth (root 0), a rank among its siblings
 (0 = the drafter's best) and the drafter's log-probability of its token.
 
-Nodes are named by *rank paths* (DESIGN §2): the ranks from depth 1 down to the node.
+Nodes are named by *rank paths* (docs/DESIGN.md §2): the ranks from depth 1 down to the node.
 A *structure* is a set of rank paths that is ancestor-closed and left-closed.
 """
 
