@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
-    from ogspo.drafter.measure import MeasureResult, MethodFigures, measure_drafter, render_markdown
+    from ogspo.stages.measure_drafter import MeasureResult, MethodFigures, measure_drafter, render_markdown
 
     if args.from_json:
         d = json.loads(args.from_json.read_text())

@@ -150,7 +150,7 @@ def bench_verify(model, targets: dict, sizes: list[int], context: int, reps: int
 
 def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
     from ogspo.engine.decode import SpeculativeEngine
-    from ogspo.methods import make_drafter, make_policy
+    from ogspo.methods.registry import make_drafter, make_policy
 
     timed_forwards(target)
     configs = [
@@ -260,11 +260,11 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="update this script's section of docs/BENCHMARKS.md")
     args = ap.parse_args()
 
-    from ogspo.assets import load_target
-    from ogspo.calibrate import calibrate_device_kernels
-    from ogspo.config import load_config
+    from ogspo.stages.model import load_target
+    from ogspo.stages.calibrate import calibrate_device_kernels
+    from ogspo.stages.config import load_config
     from ogspo.engine.kernels import read_kernel_table
-    from ogspo.methods import make_target
+    from ogspo.methods.registry import make_target
 
     model, tok = load_target(args.model)
     if args.kernels is not None:

@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
-    from ogspo.report import render_report
+    from ogspo.stages.report import render_report
 
     doc = json.loads((args.report / "summary.json").read_text())
     results = args.report.parent

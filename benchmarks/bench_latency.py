@@ -25,10 +25,10 @@ NOTE = "A first run with torch's default 2 threads, while both cores were taken 
 
 
 def main() -> None:
-    from ogspo.assets import load_target, read_manifest
-    from ogspo.calibrate import calibrate_latency, plot_calibration
-    from ogspo.config import load_config
-    from ogspo.methods import make_drafter, make_target
+    from ogspo.stages.model import load_target, read_manifest
+    from ogspo.stages.calibrate import calibrate_latency, plot_calibration
+    from ogspo.stages.config import load_config
+    from ogspo.methods.registry import make_drafter, make_target
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=REPO / "results/.test-cache/smollm2")

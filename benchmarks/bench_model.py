@@ -32,7 +32,7 @@ def bench_load(model_dir: Path, reps: int) -> dict[str, list[float]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ogspo.config import find_package_dir
+    from ogspo.artifacts.prompts import find_package_dir
 
     gguf_dir = find_package_dir(SOURCE["gguf_package"])
     times: dict[str, list[float]] = {"gguf": [], "safetensors": []}
@@ -53,7 +53,7 @@ def bench_step(model_dir: Path, context: int, sizes: list[int], reps: int, warmu
     import torch
     from transformers import DynamicCache
 
-    from ogspo.assets import load_target
+    from ogspo.stages.model import load_target
 
     model, _ = load_target(model_dir)
     gen = torch.Generator().manual_seed(seed)
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help=f"update this script's section of {DOC.relative_to(REPO)}")
     args = ap.parse_args()
 
-    from ogspo.assets import MANIFEST, prepare_model
+    from ogspo.stages.model import MANIFEST, prepare_model
 
     if not (args.model / MANIFEST).is_file():
         prepare_model(source=SOURCE, out_dir=args.model, dtype="float32")

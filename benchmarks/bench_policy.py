@@ -21,10 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchdoc import cpu_model, stats, write_section  # noqa: E402
 
-from ogspo.config import load_config  # noqa: E402
+from ogspo.stages.config import load_config
 from ogspo.engine.tree import DraftTree, Structure  # noqa: E402
-from ogspo.export import OnnxPolicy, export_policy  # noqa: E402
-from ogspo.policy import DEFAULT_POLICY, N_FEATURES, PolicyHead, state_features  # noqa: E402
+from ogspo.methods.ogspo import OnnxPolicy
+from ogspo.learn.export import export_policy
+from ogspo.learn.policy import DEFAULT_POLICY, PolicyHead
+from ogspo.methods.features import N_FEATURES, state_features
 
 
 def random_tree(S: Structure, rng: np.random.Generator) -> DraftTree:

@@ -31,10 +31,10 @@ PROMPTS = [
 
 
 def replay_speed(K: int = 2000, C: int = 2000, seed: int = 0) -> tuple[float, int, int]:
-    from ogspo.calibrate import LatencyModel
+    from ogspo.artifacts.latency import LatencyModel
     from ogspo.engine.tree import Structure
-    from ogspo.records import template_index
-    from ogspo.replay import ReplayCycles, replay
+    from ogspo.artifacts.records import template_index
+    from ogspo.offline.replay import ReplayCycles, replay
 
     rng = np.random.default_rng(seed)
     T = Structure.full([3, 2, 2, 1, 1, 1, 1, 1])
@@ -68,13 +68,14 @@ def replay_speed(K: int = 2000, C: int = 2000, seed: int = 0) -> tuple[float, in
 
 
 def main() -> None:
-    from ogspo.assets import load_target
+    from ogspo.stages.model import load_target
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.policies import StaticTree
     from ogspo.engine.tree import Structure
-    from ogspo.methods import make_drafter, make_target
-    from ogspo.records import collect_records, load_records
-    from ogspo.replay import replay, replay_cycles
+    from ogspo.methods.registry import make_drafter, make_target
+    from ogspo.stages.records import collect_records
+    from ogspo.artifacts.records import load_records
+    from ogspo.offline.replay import replay, replay_cycles
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=REPO / "results/.test-cache/smollm2")

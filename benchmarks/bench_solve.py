@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchdoc import cpu_model, write_section  # noqa: E402
 
-from ogspo.config import load_config  # noqa: E402
+from ogspo.stages.config import load_config
 from ogspo.engine.tree import Structure  # noqa: E402
-from ogspo.solve import combine_cycles, solve_oracle, solve_structure  # noqa: E402
+from ogspo.offline.solve import combine_cycles, solve_oracle, solve_structure
 
 
 def main() -> None:
@@ -36,9 +36,9 @@ def main() -> None:
     rec_dirs = sorted((REPO / "results" / "cpu" / "records").glob("*/T0"))
     lat_path = REPO / "results" / "cpu" / "latency" / "latency.json"
     if rec_dirs and lat_path.exists():
-        from ogspo.calibrate import LatencyModel
-        from ogspo.records import load_records
-        from ogspo.replay import replay_cycles
+        from ogspo.artifacts.latency import LatencyModel
+        from ogspo.artifacts.records import load_records
+        from ogspo.offline.replay import replay_cycles
 
         cycles = combine_cycles([replay_cycles(load_records(d)) for d in rec_dirs])
         latency = LatencyModel.from_json(lat_path)

@@ -2,7 +2,7 @@
 # Rules pass their stage exactly the config sections it reads: params: config=config_json(config, ...)
 import sys
 
-from ogspo.config import ConfigError, config_json, load_config
+from ogspo.stages.config import ConfigError, config_json, load_config
 
 # Validate before any rule exists: a bad config stops here with one line naming the key.
 try:

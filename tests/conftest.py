@@ -48,7 +48,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Prepared SmolLM2-135M-Instruct folder (prepared once, reused across runs)."""
-    from ogspo.assets import MANIFEST, prepare_model
+    from ogspo.stages.model import MANIFEST, prepare_model
 
     out = Path(os.environ.get("OGSPO_TEST_MODEL_DIR", REPO_ROOT / "results" / ".test-cache" / "smollm2"))
     if not (out / MANIFEST).is_file():

@@ -2,7 +2,8 @@
 
 import torch
 
-from ogspo.policy import FEATURE_NAMES, N_FEATURES, PolicyHead
+from ogspo.methods.features import FEATURE_NAMES, N_FEATURES
+from ogspo.learn.policy import PolicyHead
 
 
 def threshold_head(feature: str, threshold: float) -> PolicyHead:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ogspo.calibrate import LatencyModel
+from ogspo.artifacts.latency import LatencyModel
 from ogspo.engine.tree import Structure
-from ogspo.records import template_index
-from ogspo.replay import ReplayCycles, _node_depths
+from ogspo.artifacts.records import template_index
+from ogspo.offline.replay import ReplayCycles, _node_depths
 
 
 def synthetic_cycles(template: Structure, n_cycles: int, *, seed: int = 0, p0: float = 0.75, decay: float = 0.93,

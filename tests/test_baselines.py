@@ -11,19 +11,19 @@ import pytest
 
 from engine_helpers import hf_greedy, tiny_model
 from solve_helpers import synthetic_cycles, synthetic_latency
-from ogspo.calibrate import LatencyModel
+from ogspo.artifacts.latency import LatencyModel
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
-from ogspo.methods import load_structure, make_policy
-from ogspo.records import Records, template_index
-from ogspo.replay import replay
-from ogspo.routing import (
-    ROUTER_FEATURES, RoutedTree, Router, RoutingData, check_templates, load_router, routing_data, simulate_router,
-    template_name, train_router, write_router,
-)
-from ogspo.sequoia import best_trees, estimate_acceptance, expected_accepted, sequoia_tree
+from ogspo.artifacts.structure import load_structure
+from ogspo.methods.registry import make_policy
+from ogspo.artifacts.records import Records, template_index
+from ogspo.offline.replay import replay
+from ogspo.artifacts.router import ROUTER_FEATURES, Router, load_router, template_name, write_router
+from ogspo.methods.routing import RoutedTree
+from ogspo.learn.routing import RoutingData, check_templates, routing_data, simulate_router, train_router
+from ogspo.offline.sequoia import best_trees, estimate_acceptance, expected_accepted, sequoia_tree
 
 # ---------------------------------------------------------------- Sequoia
 
@@ -110,7 +110,7 @@ def test_sequoia_size_follows_the_latency_model(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_stage_inputs(tmp_path_factory):
     """Real record shards of tiny models (template [3, 2, 1]) and a synthetic latency.json."""
-    from ogspo.records import collect_records
+    from ogspo.stages.records import collect_records
 
     out = tmp_path_factory.mktemp("baseline_records")
     target = build_tree_lm(tiny_model(0), max_len=128)
@@ -159,7 +159,7 @@ def test_baseline_stages_on_record_shards(tiny_stage_inputs, tmp_path, capsys):
 
 
 def test_sequoia_structure_file_round_trips(tmp_path):
-    from ogspo.export import write_structure
+    from ogspo.artifacts.structure import write_structure
 
     S = Structure([(0,), (1,), (0, 0)])
     write_structure(S, tmp_path / "structure.json")

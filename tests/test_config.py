@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ogspo.config import ConfigError, deep_merge, load_config, read_config_files
+from ogspo.stages.config import ConfigError, deep_merge, load_config, read_config_files
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "config" / "default.yaml"

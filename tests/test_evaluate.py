@@ -15,9 +15,10 @@ from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.engine.verify import Verdict
-from ogspo.export import export_policy, write_structure
+from ogspo.learn.export import export_policy
+from ogspo.artifacts.structure import write_structure
 from policy_helpers import threshold_head
-from ogspo.evaluate import (
+from ogspo.stages.evaluate import (
     LosslessError, evaluate_methods, method_specs, rotated_order, summarize_requests, tune_eagle, write_evaluation,
     write_tuning,
 )
@@ -141,7 +142,7 @@ def test_lossless_check_catches_a_broken_verifier(models, monkeypatch):
 
 def test_near_ties_are_reported_not_failed(models, monkeypatch):
     """A divergence that compare_greedy calls a near-tie is listed, and the run goes on."""
-    from ogspo import evaluate as ev
+    from ogspo.stages import evaluate as ev
     from ogspo.engine.lossless import LosslessReport
 
     target_model, target, drafter = models
@@ -178,7 +179,7 @@ def test_bad_method_config_gives_one_clear_line():
         method_specs(methods=["chain"], chains=[4], eagle_default=[60, 5, 10])
     with pytest.raises(ValueError, match=r"unknown method 'eagel'; allowed: ar, chain, eagle-default"):
         method_specs(methods=["ar", "eagel"], chains=[4], eagle_default=[60, 5, 10])
-    from ogspo.config import ConfigError, load_config
+    from ogspo.stages.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"config error at 'evaluate.methods\[1\]': 'eagel' is not allowed; allowed values: ar"):
         load_config({"evaluate": _evaluate_config(methods=["ar", "eagel"])}, sections=("evaluate",))
@@ -199,7 +200,7 @@ def test_bad_method_config_gives_one_clear_line():
 def _default_config() -> dict:
     import yaml
 
-    from ogspo.config import REPO_ROOT
+    from ogspo.stages.config import REPO_ROOT
 
     return yaml.safe_load((REPO_ROOT / "config" / "default.yaml").read_text())
 
@@ -244,7 +245,7 @@ def _synthetic_requests() -> pl.DataFrame:
 
 
 def test_report_writes_summary_markdown_and_plots(tmp_path):
-    from ogspo.report import write_report
+    from ogspo.stages.report import write_report
 
     ev = tmp_path / "evaluate"
     ev.mkdir()

@@ -17,13 +17,14 @@ from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import StaticTree
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
-from ogspo.export import OnnxPolicy, export_policy, load_policy_dir, write_structure
-from ogspo.methods import make_policy
-from ogspo.policy import (
-    FEATURE_NAMES, FEATURES_VERSION, N_FEATURES, PolicyData, PolicyHead, evaluate_policy, offline_states,
-    policy_depths, train_policy,
-)
-from ogspo.records import collect_records, load_records, request_seed
+from ogspo.methods.ogspo import OnnxPolicy, load_policy_dir
+from ogspo.learn.export import export_policy
+from ogspo.artifacts.structure import write_structure
+from ogspo.methods.registry import make_policy
+from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, N_FEATURES
+from ogspo.learn.policy import PolicyData, PolicyHead, evaluate_policy, offline_states, policy_depths, train_policy
+from ogspo.stages.records import collect_records
+from ogspo.artifacts.records import load_records, request_seed
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
 TEMPLATE = Structure.full([3, 2, 2])
@@ -222,8 +223,9 @@ def test_ogspo_method_is_lossless_at_temperature_zero(tmp_path):
 def test_train_policy_cli(tiny_records, tmp_path):
     """records + latency + oracle -> policy folder that the `ogspo` method loads."""
     from ogspo.cli import main
-    from ogspo.replay import replay_cycles
-    from ogspo.solve import solve_oracle, write_oracle
+    from ogspo.offline.replay import replay_cycles
+    from ogspo.offline.solve import solve_oracle
+    from ogspo.artifacts.oracle import write_oracle
 
     lat = synthetic_latency()
     (tmp_path / "latency.json").write_text(json.dumps(lat.to_json()))
@@ -249,8 +251,8 @@ def test_empty_oracle_structure_means_autoregressive(tmp_path):
     ogspo method decodes autoregressively instead of failing."""
     import json
 
-    from ogspo.methods import make_policy
-    from ogspo.policy import run_train_policy
+    from ogspo.methods.registry import make_policy
+    from ogspo.stages.train_policy import run_train_policy
 
     oracle = tmp_path / "oracle.json"
     oracle.write_text(json.dumps({"structure": [], "throughput": 25.0}))

@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from ogspo import solve
+from ogspo.artifacts.oracle import write_oracle
+from ogspo.offline import solve
+from ogspo.offline.milp import charnes_cooper, solve_parametric
 from ogspo.engine.tree import Structure
 
 from solve_helpers import synthetic_cycles, synthetic_latency
@@ -34,7 +36,7 @@ def test_oracle_matches_brute_force_and_charnes_cooper(case):
     # Charnes-Cooper single MILP
     info = solve.template_info(T)
     enc = solve.build_oracle_milp(groups=groups, info=info, latency=lat)
-    cc = solve.charnes_cooper(enc.milp, time_limit=30, mip_gap=1e-9)
+    cc = charnes_cooper(enc.milp, time_limit=30, mip_gap=1e-9)
     assert cc.objective == pytest.approx(bf, rel=1e-6)
     S = solve._structure_of(enc, info, cc.values)
     a, t = solve.replay_totals(cycles=cyc, structure=S, cycle_depths=solve._depths_of(enc, cc.values)[groups.cycle_group], latency=lat)
@@ -48,7 +50,7 @@ def test_oracle_milp_objective_equals_replay_at_optimum():
     info = solve.template_info(T)
     groups = solve.group_cycles(cycles=cyc, latency=lat, context_buckets=0)
     enc = solve.build_oracle_milp(groups=groups, info=info, latency=lat, min_depth=0)
-    sol = solve.solve_parametric(enc.milp, 10.0, time_limit=30, mip_gap=1e-9)
+    sol = solve_parametric(enc.milp, 10.0, time_limit=30, mip_gap=1e-9)
     m = enc.milp
     num, den = m.value(m.num, m.num_const, sol.values), m.value(m.den, m.den_const, sol.values)
     S = solve._structure_of(enc, info, sol.values)
@@ -68,7 +70,7 @@ def test_structure_update_matches_brute_force(case):
     assert res.throughput == pytest.approx(bf, rel=1e-6)
     info = solve.template_info(T)
     enc = solve.build_structure_milp(cycles=cyc, info=info, latency=lat, stop_probs=P)
-    cc = solve.charnes_cooper(enc.milp, time_limit=30, mip_gap=1e-9)
+    cc = charnes_cooper(enc.milp, time_limit=30, mip_gap=1e-9)
     assert cc.objective == pytest.approx(bf, rel=1e-6)
 
 
@@ -96,7 +98,7 @@ def test_write_oracle(tmp_path):
     cyc = synthetic_cycles(T, 20)
     res = solve.solve_oracle(cycles=cyc, latency=synthetic_latency(), config=FAST)
     out = tmp_path / "o" / "oracle.json"
-    solve.write_oracle(res, out)
+    write_oracle(res, out)
     data = json.loads(out.read_text())
     assert data["throughput"] == pytest.approx(res.throughput) and data["n_cycles"] == 20
     assert not list(out.parent.glob(".*tmp*"))

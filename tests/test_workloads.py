@@ -1,17 +1,15 @@
 import polars as pl
 import pytest
 
-from ogspo.workloads import (
+from ogspo.artifacts.prompts import (
     RawPrompt,
     fortune_prefix,
     parse_fortunes,
-    prepare_workloads,
     read_fortunes,
     read_humaneval,
     read_mtbench,
-    select_prompts,
-    split_ids,
 )
+from ogspo.stages.workloads import prepare_workloads, select_prompts, split_ids
 
 
 def test_split_is_deterministic_disjoint_and_sized():
@@ -73,7 +71,7 @@ def test_missing_fortunes_dir_is_one_line(tmp_path):
 
 
 def test_prepare_workloads_with_real_tokenizer(smollm2_dir, tmp_path):
-    from ogspo.assets import load_tokenizer
+    from ogspo.stages.model import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     config = {

@@ -14,6 +14,41 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.oracle import write_oracle
+from ogspo.artifacts.records import load_records, summarize_records
+from ogspo.engine.kernels import describe, read_kernel_table, write_kernel_table
+from ogspo.engine.tree import Structure
+from ogspo.methods.registry import DRAFTERS, METHODS, make_drafter, make_target
+from ogspo.offline.replay import replay_cycles
+from ogspo.offline.solve import combine_cycles, solve_oracle
+from ogspo.stages.calibrate import calibrate_device_kernels, calibrate_latency, write_calibration
+from ogspo.stages.config import ConfigError, load_config
+from ogspo.stages.evaluate import (
+    ARTIFACT_KINDS,
+    evaluate_methods,
+    load_prompts,
+    method_specs,
+    oracle_throughputs,
+    render_summary,
+    temperature_tag,
+    tune_eagle,
+    write_evaluation,
+    write_tuning,
+)
+from ogspo.stages.export_policy import run_export_policy
+from ogspo.stages.generate import generate_text
+from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
+from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
+from ogspo.stages.records import collect_records
+from ogspo.stages.report import write_report
+from ogspo.stages.rounds import run_rounds_stage
+from ogspo.stages.routing import run_train_routing
+from ogspo.stages.sequoia import build_sequoia
+from ogspo.stages.train_policy import run_train_policy
+from ogspo.stages.workloads import prepare_workloads
+from ogspo.stages.train_drafter import run_train_drafter
+
 
 @dataclass(frozen=True)
 class Command:
@@ -37,7 +72,6 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
 def _load_config(args: argparse.Namespace, sections: tuple[str, ...]) -> dict:
     import json
 
-    from ogspo.config import ConfigError, load_config
 
     if args.config_json is not None:
         try:
@@ -60,7 +94,6 @@ def _add_prepare_model(p: argparse.ArgumentParser) -> None:
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
-    from ogspo.assets import prepare_model
 
     cfg = _load_config(args, ("model", "dtype"))
     prepared = prepare_model(source=cfg["model"], out_dir=args.out, dtype=cfg["dtype"])
@@ -81,8 +114,6 @@ def _add_prepare_workloads(p: argparse.ArgumentParser) -> None:
 
 
 def _run_prepare_workloads(args: argparse.Namespace) -> int:
-    from ogspo.assets import load_tokenizer
-    from ogspo.workloads import prepare_workloads
 
     cfg = _load_config(args, ("workloads", "seed"))
     result = prepare_workloads(config=cfg, tokenizer=load_tokenizer(args.model), out_dir=args.out)
@@ -98,7 +129,6 @@ def _run_prepare_workloads(args: argparse.Namespace) -> int:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    from ogspo.methods import DRAFTERS, METHODS
 
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
@@ -123,7 +153,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from ogspo.generate import generate_text
 
     result = generate_text(
         model_dir=args.model,
@@ -158,7 +187,6 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_model_drafter(p: argparse.ArgumentParser) -> None:
-    from ogspo.methods import DRAFTERS
 
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
     p.add_argument("--drafter", required=True, help=f"drafter spec for ogspo.methods.make_drafter ({', '.join(DRAFTERS)}, ...)")
@@ -172,15 +200,12 @@ def _add_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def _read_kernels(args: argparse.Namespace):
-    from ogspo.engine.kernels import read_kernel_table
 
     return None if args.kernels is None else read_kernel_table(args.kernels)
 
 
 def _load_model_drafter(args: argparse.Namespace, *, device: str = "cpu"):
     """(target TreeLM, drafter, model checksum, drafter id, tokenizer)."""
-    from ogspo.assets import load_target, read_manifest
-    from ogspo.methods import make_drafter, make_target
 
     kernels = _read_kernels(args)
     checksum = read_manifest(args.model)["checksum_sha256"]
@@ -202,9 +227,6 @@ def _add_calibrate_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_kernels(args: argparse.Namespace) -> int:
-    from ogspo.assets import load_target
-    from ogspo.calibrate import calibrate_device_kernels
-    from ogspo.engine.kernels import describe, write_kernel_table
 
     cfg = _load_config(args, ("kernels", "torch_device"))
     model, _ = load_target(args.model, device=cfg["torch_device"])
@@ -224,7 +246,6 @@ def _add_calibrate_latency(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_latency(args: argparse.Namespace) -> int:
-    from ogspo.calibrate import calibrate_latency, write_calibration
 
     cfg = _load_config(args, ("latency", "seed", "torch_device"))
     lat = cfg["latency"]
@@ -256,8 +277,6 @@ def _add_collect_records(p: argparse.ArgumentParser) -> None:
 def _run_collect_records(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from ogspo.engine.tree import Structure
-    from ogspo.records import collect_records
 
     cfg = _load_config(args, ("records", "seed", "torch_device"))
     rc = cfg["records"]
@@ -299,8 +318,6 @@ def _run_summarize_records(args: argparse.Namespace) -> int:
     import os
     from dataclasses import asdict
 
-    from ogspo.assets import read_manifest
-    from ogspo.records import load_records, summarize_records
 
     checksum = read_manifest(args.model)["checksum_sha256"] if args.model else None
     out, md = {}, ["# Posterior verification records", ""]
@@ -331,12 +348,11 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_drafter(args: argparse.Namespace) -> int:
-    from ogspo.drafter.train import train_drafter
 
     cfg = _load_config(args, ("drafter", "seed", "workloads"))
     fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
-    r = train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
-                      fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"])
+    r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
+                          fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"])
     print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
           f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
     return 0
@@ -353,7 +369,6 @@ def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
 
 
 def _run_measure_drafter(args: argparse.Namespace) -> int:
-    from ogspo.drafter.measure import measure_drafter, render_markdown, write_measure
 
     cfg = _load_config(args, ("measure_drafter", "seed"))
     m = cfg["measure_drafter"]
@@ -379,10 +394,6 @@ def _add_solve_oracle(p: argparse.ArgumentParser) -> None:
 
 
 def _run_solve_oracle(args: argparse.Namespace) -> int:
-    from ogspo.calibrate import LatencyModel
-    from ogspo.records import load_records
-    from ogspo.replay import replay_cycles
-    from ogspo.solve import combine_cycles, solve_oracle, write_oracle
 
     cfg = _load_config(args, ("solve",))
     cycles = combine_cycles([replay_cycles(load_records(d)) for d in args.records])
@@ -412,7 +423,6 @@ def _add_train_policy(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_policy(args: argparse.Namespace) -> int:
-    from ogspo.policy import run_train_policy
 
     cfg = _load_config(args, ("policy", "seed"))
     r = run_train_policy(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle,
@@ -446,7 +456,6 @@ def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
 
 
 def _run_ogspo_rounds(args: argparse.Namespace) -> int:
-    from ogspo.rounds import run_rounds_stage
 
     cfg = _load_config(args, ("rounds", "policy", "solve", "seed", "torch_device"))
 
@@ -473,7 +482,6 @@ def _add_export_policy(p: argparse.ArgumentParser) -> None:
 
 
 def _run_export_policy(args: argparse.Namespace) -> int:
-    from ogspo.export import run_export_policy
 
     r = run_export_policy(rounds_dir=args.rounds, out_dir=args.out)
     what = "autoregressive (empty structure, no policy.onnx)" if r.export is None else f"policy.onnx ({r.export.bytes} bytes)"
@@ -492,7 +500,6 @@ def _add_build_sequoia(p: argparse.ArgumentParser) -> None:
 
 
 def _run_build_sequoia(args: argparse.Namespace) -> int:
-    from ogspo.sequoia import build_sequoia
 
     cfg = _load_config(args, ("baselines",))
     r = build_sequoia(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["sequoia"], out_dir=args.out)
@@ -512,7 +519,6 @@ def _add_train_routing(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_routing(args: argparse.Namespace) -> int:
-    from ogspo.routing import run_train_routing
 
     cfg = _load_config(args, ("baselines", "seed"))
     r = run_train_routing(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["routing"],
@@ -549,7 +555,6 @@ def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
 
 
 def _run_tune_eagle(args: argparse.Namespace) -> int:
-    from ogspo.evaluate import load_prompts, tune_eagle, write_tuning
 
     cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
     ev = cfg["evaluate"]
@@ -566,7 +571,6 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
 
 
 def _add_evaluate(p: argparse.ArgumentParser) -> None:
-    from ogspo.evaluate import ARTIFACT_KINDS
 
     _add_config(p)
     _add_model_drafter(p)
@@ -580,9 +584,6 @@ def _add_evaluate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from ogspo.calibrate import LatencyModel
-    from ogspo.evaluate import ARTIFACT_KINDS, evaluate_methods, load_prompts, method_specs, read_oracle, render_summary
-    from ogspo.evaluate import temperature_tag, write_evaluation
 
     cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
     ev = cfg["evaluate"]
@@ -592,7 +593,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     if lacking:
         raise ValueError(f"evaluate.methods needs --artifact for {', '.join(lacking)} (KIND=PATH with {{T}})")
     temperatures = [float(t) for t in cfg["records"]["temperatures"]]
-    oracle = read_oracle({k: Path(v) for k, v in _key_paths(args.oracle, "--oracle").items()})
+    oracle = oracle_throughputs({k: Path(v) for k, v in _key_paths(args.oracle, "--oracle").items()})
     unknown = sorted(set(oracle) - {temperature_tag(t) for t in temperatures})
     if unknown:
         raise ValueError(f"--oracle {unknown[0]}: not a temperature tag of records.temperatures {cfg['records']['temperatures']}")
@@ -623,7 +624,6 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from ogspo.report import write_report
 
     r = write_report(
         evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
@@ -669,7 +669,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ogspo.config import ConfigError
 
     parser = build_parser()
     args = parser.parse_args(argv)

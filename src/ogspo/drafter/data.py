@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ogspo.engine.target import TreeLM
+from ogspo.artifacts.prompts import read_fortunes
 
 CHAT_VARIANTS = {
     "humaneval": "Complete the following Python function and explain it briefly:\n\n{text}",
@@ -112,7 +113,6 @@ def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer,
     """Extra training prompts from corpora on every machine, never a workload prompt: fortunes the
     workloads did not select (as continuation prompts and as chat requests) and documented functions of
     the standard library (as code prompts and as chat requests), `fortunes` and `functions` of each."""
-    from ogspo.workloads import read_fortunes
 
     out: list[list[int]] = []
     if fortunes > 0:

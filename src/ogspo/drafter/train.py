@@ -1,4 +1,5 @@
-"""Stage `train_drafter`: build the data, then train the EAGLE-3-style head with training-time test.
+"""Train the EAGLE-3-style head with training-time test, on data built from the target's own answers
+(stage: `stages.train_drafter`).
 
 Deterministic given the seed (data order, initialisation, sampling of batches). Checkpoints every
 `checkpoint_every` steps into `work_dir`, and an interrupted run resumes from the last one; the
@@ -27,6 +28,8 @@ from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generat
                    stdlib_sequences, train_prompts)
 from .head import EagleHead, HeadConfig
 from .runtime import META, WEIGHTS
+
+from ogspo.engine.target import build_tree_lm
 
 DEFAULTS = dict(
     draft_vocab=8192,
@@ -92,8 +95,6 @@ def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | No
     if gen_cache.is_file():
         data = torch.load(gen_cache, weights_only=False)
     else:
-        from ogspo.engine.target import build_tree_lm
-
         rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
         lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
         kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
@@ -194,7 +195,9 @@ def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
 
 def train_drafter(
     *,
-    model_dir: Path,
+    model,
+    tokenizer,
+    target_checksum: str,
     workloads_dir: Path,
     out_dir: Path,
     work_dir: Path,
@@ -202,7 +205,6 @@ def train_drafter(
     config: dict | None = None,
     seed: int = 0,
 ) -> TrainResult:
-    from ogspo.assets import load_target, model_checksum
 
     cfg = DEFAULTS | (config or {})
     unknown = set(cfg) - set(DEFAULTS)
@@ -211,7 +213,6 @@ def train_drafter(
     torch.manual_seed(seed)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_target(model_dir)
     head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
 
     t0 = time.perf_counter()
@@ -282,7 +283,7 @@ def train_drafter(
     n_tokens = int(sum(len(s.tokens) for s in seqs))
     meta = {
         "kind": "eagle3-head",
-        "target_checksum": model_checksum(model_dir),
+        "target_checksum": target_checksum,
         "head": head_cfg.to_dict(),
         "train": cfg | {"seed": seed},
         "metrics": {"val_loss_step1": float(vl[0] / nb), "val_top1": (va / nb).tolist(), "train_tokens": n_tokens,

@@ -1,4 +1,4 @@
-"""Stage `solve_oracle`: the OGSPO mixed-integer fractional programs (docs/DESIGN.md §5), solved with SCIP.
+"""The OGSPO mixed-integer fractional programs (docs/DESIGN.md §5), solved with SCIP (`offline.milp`).
 
 **Oracle (step 0).** Choose a structure S ⊆ T and one stop depth per cycle to maximise
 sum_c A_c(S, d_c) / sum_c t_c(S, d_c). **Structure update.** With per-cycle stop probabilities
@@ -29,26 +29,24 @@ Formulation (template nodes v = 1..N in `template_index` order, levels l = 1..D)
   sum_c P_c(d >= j) for the path nodes, t_draft(w) sum_c P_c(d >= l) for q_{l,w},
   sum_c P_c(d) t_verify(n + 1, L_c) for u_{d,n}. Exact, no grouping needed.
 
-Every solution is re-evaluated with `ogspo.replay` (the vectorised record replay); the MILP's own
+Every solution is re-evaluated with `ogspo.offline.replay` (the vectorised record replay); the MILP's own
 num/den must agree (a mismatch is a formulation bug and raises).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ogspo.calibrate import LatencyModel
+from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.oracle import OracleResult, StructureResult
+from ogspo.artifacts.records import template_index
 from ogspo.engine.tree import Structure
-from ogspo.records import template_index
-from ogspo.replay import ReplayCycles, accepted_lengths, cycle_times, structure_mask
+from ogspo.offline.milp import FractionalMILP, add_coef, dinkelbach
+from ogspo.offline.replay import ReplayCycles, accepted_lengths, cycle_times, structure_mask
 
-SCHEMA_VERSION = 1
 DEFAULT_SOLVE = {
     "time_limit": 60.0,
     "mip_gap": 1e-6,
@@ -157,39 +155,6 @@ def group_cycles(*, cycles: ReplayCycles, latency: LatencyModel, context_buckets
 
 
 @dataclass
-class FractionalMILP:
-    """max (num . v + num_const) / (den . v + den_const) s.t. rows, v_i in [0, ub_i], binary where flagged."""
-
-    names: list[str] = field(default_factory=list)
-    binary: list[bool] = field(default_factory=list)
-    ub: list[float] = field(default_factory=list)
-    rows: list[tuple[dict[int, float], str, float]] = field(default_factory=list)  # (coefs, "<=" | "==", rhs)
-    num: dict[int, float] = field(default_factory=dict)
-    den: dict[int, float] = field(default_factory=dict)
-    num_const: float = 0.0
-    den_const: float = 0.0
-    den_lower: float = 0.0  # a positive lower bound on the denominator (Charnes-Cooper scale bound, ratio bound)
-    den_upper: float = 0.0
-
-    def var(self, name: str, *, binary: bool, ub: float = 1.0) -> int:
-        self.names.append(name)
-        self.binary.append(binary)
-        self.ub.append(float(ub))
-        return len(self.names) - 1
-
-    def row(self, coefs: dict[int, float], sense: str, rhs: float) -> None:
-        self.rows.append((coefs, sense, float(rhs)))
-
-    def value(self, coefs: dict[int, float], const: float, vals: np.ndarray) -> float:
-        return const + float(sum(c * vals[i] for i, c in coefs.items()))
-
-
-def _add(d: dict[int, float], i: int, c: float) -> None:
-    if c != 0.0:
-        d[i] = d.get(i, 0.0) + float(c)
-
-
-@dataclass
 class _Encoding:
     """Variable ids of a structure program (x, size and width indicators) plus group depth choices."""
 
@@ -217,7 +182,7 @@ def _structure_vars(info: TemplateInfo, latency: LatencyModel, max_depth: int) -
         m.row({i: 1.0 for i in u.values()}, "==", 1.0)
         row = {i: float(n) for n, i in u.items() if n}
         for v in np.nonzero((info.depth >= 1) & (info.depth <= d))[0]:
-            _add(row, int(x[v]), -1.0)
+            add_coef(row, int(x[v]), -1.0)
         m.row(row, "==", 0.0)
         size_expr[d] = u
     draft_expr: dict[int, dict[int, float]] = {}
@@ -227,7 +192,7 @@ def _structure_vars(info: TemplateInfo, latency: LatencyModel, max_depth: int) -
         m.row({i: 1.0 for i in q.values()}, "==", 1.0)
         row = {i: float(w) for w, i in q.items() if w}
         for p in front:
-            _add(row, int(x[info.first_child[p]]), -1.0)
+            add_coef(row, int(x[info.first_child[p]]), -1.0)
         m.row(row, "==", 0.0)
         tw = latency.t_draft(np.arange(len(front) + 1, dtype=np.float64))
         draft_expr[l] = {i: float(tw[w]) for w, i in q.items()}
@@ -256,7 +221,7 @@ def build_oracle_milp(
     # levels every cycle drafts (l <= dmin): aggregated, no per-group payment
     for l in range(1, dmin + 1):
         for i, c in enc.draft_expr[l].items():
-            _add(m.den, i, W.sum() * c)
+            add_coef(m.den, i, W.sum() * c)
     draft_max = {l: max(enc.draft_expr[l].values()) for l in enc.draft_expr}
     # Dominance: when t_verify is non-decreasing in n, stopping deeper than the group's accepted prefix
     # in S adds time and no tokens, so WLOG d_g <= max(dmin, k_g(S)): depths beyond the group's path
@@ -276,7 +241,7 @@ def build_oracle_milp(
             m.row({z: 1.0, int(enc.x[v]): -1.0}, "<=", 0.0)
             if j > dmin:
                 m.row({z: 1.0, **{i: -c for i, c in Y.get(j, {}).items()}}, "<=", 0.0)
-            _add(m.num, z, W[g])
+            add_coef(m.num, z, W[g])
         # Draft time, disaggregated by width: r_{g,l,w} <= q_{l,w}, sum_w r_{g,l,w} = Y_{g,l}; pays
         # sum_w t_draft(w) r_{g,l,w} (at integer q, r sits on the one width q selects).
         for l in range(dmin + 1, top + 1):
@@ -285,20 +250,20 @@ def build_oracle_milp(
                 r = m.var(f"r[{g},{l},{qid}]", binary=False)
                 m.row({r: 1.0, qid: -1.0}, "<=", 0.0)
                 row[r] = 1.0
-                _add(m.den, r, W[g] * c)
+                add_coef(m.den, r, W[g] * c)
             m.row(row, "==", 0.0)
         # Verify time, disaggregated by size: s_{g,d,n} <= u_{d,n}, sum_n s_{g,d,n} = y_{g,d}; pays
         # sum_n tv_g(n) s_{g,d,n}. Much tighter than big-M (whose LP relaxation pays almost nothing).
         tv = groups.verify[g]
         if dmin == 0:
-            _add(m.den, y[0], float(tv[0]))
+            add_coef(m.den, y[0], float(tv[0]))
         for d in range(max(dmin, 1), top + 1):
             row = {y[d]: -1.0}
             for n, uid in enc.size_expr[d].items():
                 sv = m.var(f"s[{g},{d},{n}]", binary=False)
                 m.row({sv: 1.0, uid: -1.0}, "<=", 0.0)
                 row[sv] = 1.0
-                _add(m.den, sv, float(tv[n]))
+                add_coef(m.den, sv, float(tv[n]))
             m.row(row, "==", 0.0)
     m.den_lower = m.den_const + float(groups.verify.min(axis=1).sum())
     m.den_upper = m.den_const + float(groups.verify.max(axis=1).sum()) + W.sum() * sum(draft_max.values())
@@ -325,138 +290,24 @@ def build_structure_milp(
         for j, v in enumerate(cycles.paths[c], start=1):
             if v == pad:
                 break
-            _add(m.num, int(enc.x[v]), reach[c, j])
+            add_coef(m.num, int(enc.x[v]), reach[c, j])
     reach_tot = reach.sum(0)
     for l in range(1, D + 1):
         for i, t in enc.draft_expr[l].items():
-            _add(m.den, i, t * reach_tot[l])
+            add_coef(m.den, i, t * reach_tot[l])
     tv = verify_table(cycles, latency)  # [C, N+1]
     m.den_const += float(P[:, 0] @ tv[:, 0])
     cum = info.cum_sizes()
     for d in range(1, D + 1):
         coef = P[:, d] @ tv[:, : cum[d] + 1]
         for n, i in enc.size_expr[d].items():
-            _add(m.den, i, float(coef[n]))
+            add_coef(m.den, i, float(coef[n]))
     m.den_lower = m.den_const + float(sum(min(0.0, c) for c in m.den.values()))
     m.den_lower = max(m.den_lower, C * latency.fixed + float(tv.min(1).sum()))
     return enc
 
 
 # ---------------------------------------------------------------- SCIP backends
-
-
-@dataclass
-class MILPSolution:
-    values: np.ndarray
-    objective: float
-    dual_bound: float
-    gap: float
-    status: str
-    seconds: float
-
-
-def _scip_model(time_limit: float, mip_gap: float, abs_gap: float | None = None, threads: int = 1):
-    from pyscipopt import Model
-
-    model = Model()
-    model.hideOutput()
-    model.setParam("limits/time", float(time_limit))
-    model.setParam("limits/gap", float(mip_gap))
-    if abs_gap is not None:
-        model.setParam("limits/absgap", float(abs_gap))
-    model.setParam("randomization/randomseedshift", 0)
-    model.setParam("parallel/maxnthreads", int(threads))
-    return model
-
-
-def _add_rows(model, vars_, rows) -> None:
-    from pyscipopt import quicksum
-
-    for coefs, sense, rhs in rows:
-        expr = quicksum(c * vars_[i] for i, c in coefs.items())
-        model.addCons(expr <= rhs if sense == "<=" else expr == rhs)
-
-
-def _finish(model, vars_, t0: float) -> MILPSolution:
-    if model.getNSols() == 0:
-        raise ValueError(f"SCIP found no feasible solution (status {model.getStatus()}); raise solve.time_limit")
-    sol = model.getBestSol()
-    vals = np.array([model.getSolVal(sol, v) for v in vars_])
-    return MILPSolution(
-        values=vals,
-        objective=float(model.getObjVal()),
-        dual_bound=float(model.getDualbound()),
-        gap=float(model.getGap()),
-        status=str(model.getStatus()),
-        seconds=time.perf_counter() - t0,
-    )
-
-
-def solve_parametric(
-    milp: FractionalMILP, lam: float, *, time_limit: float, mip_gap: float, start: np.ndarray | None = None
-) -> MILPSolution:
-    """max num - lam * den (the Dinkelbach subproblem) with SCIP."""
-    from pyscipopt import quicksum
-
-    t0 = time.perf_counter()
-    # The subproblem optimum tends to 0 as lambda converges, so a relative gap never closes: stop at an
-    # absolute gap worth a relative ratio error of mip_gap (ratio <= lam + gap / den_lower).
-    model = _scip_model(time_limit, mip_gap, abs_gap=mip_gap * max(lam, 1e-12) * milp.den_lower)
-    vars_ = [model.addVar(name=n, vtype="B" if b else "C", lb=0.0, ub=u) for n, b, u in zip(milp.names, milp.binary, milp.ub)]
-    _add_rows(model, vars_, milp.rows)
-    obj = dict(milp.num)
-    for i, c in milp.den.items():
-        _add(obj, i, -lam * c)
-    model.setObjective(quicksum(c * vars_[i] for i, c in obj.items()) + (milp.num_const - lam * milp.den_const), "maximize")
-    if start is not None:
-        sol = model.createSol()
-        for v, val in zip(vars_, start):
-            model.setSolVal(sol, v, float(val))
-        model.addSol(sol, free=True)
-    model.optimize()
-    return _finish(model, vars_, t0)
-
-
-def charnes_cooper(milp: FractionalMILP, *, time_limit: float, mip_gap: float) -> MILPSolution:
-    """The fractional program as one MILP: s = 1/den, every variable scaled by s, s * binary by big-M.
-
-    Returns the *unscaled* values (binaries as solved, continuous = scaled / s) and objective = ratio."""
-    from pyscipopt import quicksum
-
-    if milp.den_lower <= 0:
-        raise ValueError("Charnes-Cooper needs a positive lower bound on the denominator")
-    s_hi = 1.0 / milp.den_lower
-    s_lo = 1.0 / milp.den_upper if milp.den_upper > 0 else 0.0
-    t0 = time.perf_counter()
-    model = _scip_model(time_limit, mip_gap)
-    s = model.addVar(name="s", vtype="C", lb=s_lo, ub=s_hi)
-    hat = []
-    for n, b, u in zip(milp.names, milp.binary, milp.ub):
-        h = model.addVar(name=f"hat_{n}", vtype="C", lb=0.0, ub=u * s_hi)
-        model.addCons(h <= u * s)
-        if b:
-            xb = model.addVar(name=n, vtype="B")
-            model.addCons(h <= s_hi * xb)
-            model.addCons(h >= s - s_hi * (1 - xb))
-            hat.append((h, xb))
-        else:
-            hat.append((h, None))
-    hv = [h for h, _ in hat]
-    for coefs, sense, rhs in milp.rows:
-        expr = quicksum(c * hv[i] for i, c in coefs.items()) - rhs * s
-        model.addCons(expr <= 0 if sense == "<=" else expr == 0)
-    model.addCons(quicksum(c * hv[i] for i, c in milp.den.items()) + milp.den_const * s == 1)
-    model.setObjective(quicksum(c * hv[i] for i, c in milp.num.items()) + milp.num_const * s, "maximize")
-    model.optimize()
-    if model.getNSols() == 0:
-        raise ValueError(f"SCIP found no feasible Charnes-Cooper solution (status {model.getStatus()})")
-    sol = model.getBestSol()
-    sv = model.getSolVal(sol, s)
-    vals = np.array([model.getSolVal(sol, b) if b is not None else model.getSolVal(sol, h) / sv for h, b in hat])
-    return MILPSolution(
-        values=vals, objective=float(model.getObjVal()), dual_bound=float(model.getDualbound()),
-        gap=float(model.getGap()), status=str(model.getStatus()), seconds=time.perf_counter() - t0,
-    )
 
 
 # ---------------------------------------------------------------- decoding and checking solutions
@@ -507,7 +358,7 @@ def _start_values(enc: _Encoding, info: TemplateInfo, S: Structure, depths: np.n
 def replay_totals(
     *, cycles: ReplayCycles, structure: Structure, cycle_depths: np.ndarray, latency: LatencyModel
 ) -> tuple[float, float]:
-    """sum_c A_c(S, d_c) and sum_c t_c(S, d_c) by `ogspo.replay` (the reference evaluator)."""
+    """sum_c A_c(S, d_c) and sum_c t_c(S, d_c) by `ogspo.offline.replay` (the reference evaluator)."""
     mask = structure_mask(structure, cycles.template)[None]
     d = np.asarray(cycle_depths)[None]
     acc = accepted_lengths(mask, cycles.paths, d)
@@ -518,7 +369,7 @@ def replay_totals(
 def replay_expected_totals(
     *, cycles: ReplayCycles, structure: Structure, stop_probs: np.ndarray, latency: LatencyModel
 ) -> tuple[float, float]:
-    """sum_c sum_d P_c(d) A_c(S, d) and the same for t, by `ogspo.replay`."""
+    """sum_c sum_d P_c(d) A_c(S, d) and the same for t, by `ogspo.offline.replay`."""
     D = cycles.template.max_depth
     mask = structure_mask(structure, cycles.template)[None]
     A = T = 0.0
@@ -548,87 +399,7 @@ def _check_consistency(what: str, milp: FractionalMILP, vals: np.ndarray, ref_nu
 # ---------------------------------------------------------------- Dinkelbach
 
 
-@dataclass
-class DinkelbachTrace:
-    lambdas: list[float]  # ratio after every iteration (lambdas[0] = the start)
-    gaps: list[float]  # per subproblem: (dual bound - objective) / den_lower / lambda, a relative ratio gap
-    statuses: list[str]
-    seconds: list[float]  # SCIP seconds per subproblem
-    ratio_upper_bound: float  # lambda + dual bound of the last subproblem / den_lower
-
-
-def dinkelbach(
-    milp: FractionalMILP,
-    *,
-    start: np.ndarray,
-    evaluate,
-    time_limit: float,
-    mip_gap: float,
-    tol: float,
-    max_iterations: int,
-) -> tuple[np.ndarray, float, DinkelbachTrace]:
-    """`evaluate(values) -> (num, den)` is the exact (replay) evaluation of a solution."""
-    num, den = evaluate(start)
-    lam, best = num / den, start
-    trace = DinkelbachTrace(lambdas=[lam], gaps=[], statuses=[], seconds=[], ratio_upper_bound=float("inf"))
-    for _ in range(max_iterations):
-        sol = solve_parametric(milp, lam, time_limit=time_limit, mip_gap=mip_gap, start=best)
-        # gap in ratio terms (SCIP's relative gap is undefined as the subproblem optimum tends to 0)
-        trace.gaps.append(max(sol.dual_bound - sol.objective, 0.0) / milp.den_lower / max(lam, 1e-12))
-        trace.statuses.append(sol.status)
-        trace.seconds.append(sol.seconds)
-        # any ratio: num - lam den <= dual bound  =>  num/den <= lam + dual_bound / den_lower
-        trace.ratio_upper_bound = lam + max(sol.dual_bound, 0.0) / milp.den_lower
-        num, den = evaluate(sol.values)
-        new = num / den
-        improved = new > lam * (1 + tol)
-        if new > lam:
-            lam, best = new, sol.values
-        trace.lambdas.append(lam)
-        if not improved:
-            break
-    return best, lam, trace
-
-
 # ---------------------------------------------------------------- public API
-
-
-@dataclass
-class OracleResult:
-    structure: list[list[int]]  # rank paths of S
-    group_depths: list[int]  # chosen stop depth per group
-    group_paths: list[list[int]]  # accepted template node ids per group
-    group_weights: list[int]
-    throughput: float  # surrogate tokens/s = sum A / sum t (replayed)
-    accepted: float  # sum_c A_c
-    seconds_total: float  # sum_c t_c
-    mean_accepted: float
-    mean_depth: float  # cycle-weighted
-    lambdas: list[float]
-    iterations: int
-    gaps: list[float]
-    statuses: list[str]
-    solve_seconds: float
-    ratio_upper_bound: float
-    n_groups: int
-    n_cycles: int
-    start: str  # how lambda_0 was obtained
-    settings: dict = field(default_factory=dict)
-
-
-@dataclass
-class StructureResult:
-    structure: list[list[int]]
-    throughput: float
-    accepted: float
-    seconds_total: float
-    lambdas: list[float]
-    iterations: int
-    gaps: list[float]
-    statuses: list[str]
-    solve_seconds: float
-    ratio_upper_bound: float
-    n_cycles: int
 
 
 def solve_settings(config: dict | None) -> dict:
@@ -890,18 +661,3 @@ def combine_cycles(parts: list[ReplayCycles]) -> ReplayCycles:
         context_lengths=np.concatenate([p.context_lengths for p in parts]),
         node_depth=parts[0].node_depth,
     )
-
-
-def write_oracle(result: OracleResult | StructureResult, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **asdict(result)}, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-__all__ = [
-    "CycleGroups", "FractionalMILP", "OracleResult", "StructureResult", "TemplateInfo", "brute_force_oracle",
-    "brute_force_structure", "charnes_cooper", "closed_structures", "combine_cycles", "group_cycles",
-    "solve_oracle", "solve_structure", "template_info", "write_oracle",
-]

@@ -1,4 +1,4 @@
-"""Sequoia-style static tree baseline (docs/DESIGN.md §7), built from posterior verification records.
+"""Sequoia-style static tree baseline (docs/DESIGN.md §7) from posterior verification records (stage: `stages.sequoia`).
 
 **Positional acceptance.** Sequoia assumes that the probability that the accepted child of an accepted
 node is its r-th ranked child depends only on r (optionally on the depth too). From records:
@@ -28,20 +28,18 @@ so the mean makes the denominator the exact expected cycle time). The chosen tre
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ogspo.calibrate import LatencyModel
+from ogspo.artifacts.latency import LatencyModel
 from ogspo.engine.tree import Structure
-from ogspo.replay import ReplayCycles, replay
+from ogspo.offline.replay import ReplayCycles, replay
 
 DEFAULT_SEQUOIA = {"max_nodes": 64, "max_depth": None, "by_depth": False}
-STRUCTURE_FILE, REPORT_FILE = "structure.json", "sequoia.json"
+REPORT_FILE = "sequoia.json"
 
 
 # ---------------------------------------------------------------- acceptance estimates
@@ -269,36 +267,3 @@ def sequoia_tree(*, cycles: ReplayCycles, latency: LatencyModel, config: dict | 
         replayed_autoregressive=replayed[0] if replayed[0] is not None else float("nan"), n_cycles=len(cycles.paths),
         settings=cfg, build_seconds=time.perf_counter() - t0,
     )
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def build_sequoia(*, records_dirs: list[Path], latency_path: Path, config: dict | None, out_dir: Path) -> SequoiaResult:
-    """Stage `build_sequoia`: writes `out_dir`/structure.json (empty list = autoregressive) and sequoia.json."""
-    from ogspo.export import write_structure
-    from ogspo.records import load_records
-    from ogspo.replay import replay_cycles
-    from ogspo.solve import combine_cycles
-
-    if not records_dirs:
-        raise ValueError("build-sequoia needs at least one records folder")
-    cycles = combine_cycles([replay_cycles(load_records(Path(d))) for d in records_dirs])
-    latency = LatencyModel.from_json(latency_path)
-    result = sequoia_tree(cycles=cycles, latency=latency, config=config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_structure(result.structure, out_dir / STRUCTURE_FILE)
-    report = {**result.to_json(), "records": [str(d) for d in records_dirs], "latency": str(latency_path)}
-    _write_text(out_dir / REPORT_FILE, json.dumps(report, indent=1) + "\n")
-    result.out_dir = out_dir
-    return result
-
-
-__all__ = [
-    "PositionalAcceptance", "SequoiaResult", "SequoiaTrees", "best_trees", "build_sequoia", "estimate_acceptance",
-    "expected_accepted", "frontier_widths", "level_probs", "modelled_seconds", "sequoia_settings", "sequoia_tree",
-]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ogspo.engine.decode import GenerationResult, SpeculativeEngine
+from ogspo.methods.registry import make_drafter, make_policy, make_target
+from ogspo.stages.model import load_target, model_checksum
 
 
 @dataclass
@@ -43,10 +45,7 @@ def generate_text(
     kernels=None,
     stream: Callable[[str], None] | None = None,
 ) -> GenerateResult:
-    from ogspo.assets import load_target
-    from ogspo.methods import make_drafter, make_policy, make_target
 
-    from ogspo.assets import model_checksum
 
     policy = make_policy(method, **(policy_args or {}))  # validate before loading the model
     model, tokenizer = load_target(model_dir)

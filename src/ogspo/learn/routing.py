@@ -34,27 +34,23 @@ is numpy.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
-from ogspo.calibrate import LatencyModel
-from ogspo.engine.policies import Draft, StaticTree, TreePolicy
-from ogspo.engine.tree import DraftTree, Structure
-from ogspo.policy import EMA_ALPHA, RecentAccept, split_requests
-from ogspo.records import Records
-from ogspo.replay import replay, replay_cycles, structure_mask
+from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.records import Records
+from ogspo.engine.tree import Structure
+from ogspo.offline.replay import replay, replay_cycles, structure_mask
+from ogspo.methods.features import EMA_ALPHA
+from ogspo.learn.policy import split_requests
+from ogspo.artifacts.router import ROUTER_FEATURES
+from ogspo.artifacts.router import Router
+from ogspo.artifacts.router import template_name
+from ogspo.methods.routing import router_features
 
-ROUTER_FORMAT = "ogspo-router"
-ROUTER_FEATURES_VERSION = 1
-ROUTER_FEATURES: tuple[str, ...] = ("log_context", "recent_accept", "last_commit", "last_drafted", "last_full", "first_cycle")
-ROUTER_FILE, REPORT_FILE = "router.json", "train.json"
 
 DEFAULT_ROUTING = {
     "templates": [[], [[0]], [[0], [0, 0]], [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[0], [1], [0, 0]]],
@@ -70,184 +66,10 @@ DEFAULT_ROUTING = {
 # ---------------------------------------------------------------- features
 
 
-def router_features(*, context_length: float, recent_accept: float, last_commit: int, last_depth: int | None) -> np.ndarray:
-    """Features before drafting a cycle (order `ROUTER_FEATURES`); `last_depth` None = the request's first cycle. [F]"""
-    first = last_depth is None
-    drafted = not first and last_depth > 0
-    return np.array(
-        [math.log1p(context_length), recent_accept, 0 if first else last_commit, float(drafted),
-         float(drafted and last_commit == last_depth + 1), float(first)],
-        dtype=np.float64,
-    )
-
-
-class RouterState:
-    """Online feature state of one request stream: the committed context length seen at each cycle's start
-    gives the previous cycle's commit (`RecentAccept`); `drafted(depth)` tells it the depth just drafted."""
-
-    def __init__(self, *, max_commit: int, alpha: float = EMA_ALPHA):
-        self.recent = RecentAccept(max_commit=max_commit, alpha=alpha)
-        self.last_depth: int | None = None
-
-    def reset(self) -> None:
-        self.recent.reset()
-        self.last_depth = None
-
-    def features(self, context_length: int) -> np.ndarray:
-        prev = self.recent.last_length
-        same_request = prev is not None and 0 < context_length - prev <= self.recent.max_commit
-        commit = context_length - prev if same_request else 0
-        ema = self.recent.update(context_length)
-        if not same_request:
-            self.last_depth = None
-        return router_features(context_length=context_length, recent_accept=ema, last_commit=commit,
-                               last_depth=self.last_depth)
-
-    def drafted(self, depth: int) -> None:
-        self.last_depth = int(depth)
-
-
 # ---------------------------------------------------------------- the router (numpy inference)
 
 
-@dataclass
-class Router:
-    """Plain data + numpy inference: scores = MLP((features - mean) / scale), one per template."""
-
-    templates: list[Structure]
-    mean: np.ndarray  # [F]
-    scale: np.ndarray  # [F]
-    layers: list[tuple[np.ndarray, np.ndarray]]  # (W [out, in], b [out]); ReLU between layers
-    lam: float = 0.0
-    feature_names: tuple[str, ...] = ROUTER_FEATURES
-    meta: dict = field(default_factory=dict)
-
-    def scores(self, features: np.ndarray) -> np.ndarray:
-        h = (np.asarray(features, dtype=np.float64).reshape(-1, len(self.mean)) - self.mean) / self.scale  # [B, F]
-        for i, (W, b) in enumerate(self.layers):
-            h = h @ W.T + b
-            if i < len(self.layers) - 1:
-                h = np.maximum(h, 0.0)
-        return h  # [B, K]
-
-    def choose(self, features: np.ndarray) -> np.ndarray:
-        """Template index per row (argmax score). [B]"""
-        return np.argmax(self.scores(features), axis=1)
-
-    def to_json(self) -> dict:
-        from ogspo import __version__
-
-        return {
-            "format": ROUTER_FORMAT, "features_version": ROUTER_FEATURES_VERSION, "feature_names": list(self.feature_names),
-            "templates": [S.to_list() for S in self.templates], "template_names": [template_name(S) for S in self.templates],
-            "mean": self.mean.tolist(), "scale": self.scale.tolist(),
-            "layers": [{"weight": W.tolist(), "bias": b.tolist()} for W, b in self.layers],
-            "lambda": self.lam, "ogspo_version": __version__, "meta": self.meta,
-        }
-
-
-def template_name(S: Structure) -> str:
-    if len(S) == 0:
-        return "ar"
-    if S.paths == Structure.chain(len(S)).paths:
-        return f"chain{len(S)}"
-    return f"tree{len(S)}d{S.max_depth}"
-
-
-def write_router(router: Router, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(router.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def load_router(path: str | Path) -> Router:
-    """A router from router.json or the folder holding it; one-line errors for anything else."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / ROUTER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"router file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"router file {path} is not JSON (expected a router.json written by train-routing)") from None
-    if not isinstance(data, dict) or data.get("format") != ROUTER_FORMAT:
-        raise ValueError(f"router file {path} is not a router written by train-routing (no \"format\": \"{ROUTER_FORMAT}\")")
-    version, names = data.get("features_version"), tuple(data.get("feature_names") or ())
-    if version != ROUTER_FEATURES_VERSION or names != ROUTER_FEATURES:
-        raise ValueError(f"router file {path} uses features version {version} ({len(names)} features); this ogspo computes "
-                         f"version {ROUTER_FEATURES_VERSION} ({len(ROUTER_FEATURES)} features): retrain the router")
-    try:
-        templates = [Structure(t) for t in data["templates"]]
-        mean = np.asarray(data["mean"], dtype=np.float64)
-        scale = np.asarray(data["scale"], dtype=np.float64)
-        layers = [(np.asarray(l["weight"], dtype=np.float64), np.asarray(l["bias"], dtype=np.float64)) for l in data["layers"]]
-        lam = float(data.get("lambda", 0.0))
-    except ValueError as exc:
-        raise ValueError(f"router file {path}: {' '.join(str(exc).split())}") from None
-    except (KeyError, TypeError):
-        raise ValueError(f"router file {path} lacks templates, mean, scale or layers (or they are malformed)") from None
-    F, K = len(ROUTER_FEATURES), len(templates)
-    dims = [F] + [W.shape[0] if W.ndim == 2 else -1 for W, _ in layers]
-    ok = (K >= 1 and mean.shape == (F,) and scale.shape == (F,) and (scale > 0).all() and len(layers) >= 1
-          and all(W.ndim == 2 and W.shape[1] == dims[i] and b.shape == (W.shape[0],) for i, (W, b) in enumerate(layers))
-          and dims[-1] == K)
-    if not ok:
-        raise ValueError(f"router file {path}: weight shapes do not map {F} features to {K} template scores "
-                         f"(layer sizes {dims}, mean {mean.shape}, scale {scale.shape})")
-    return Router(templates=templates, mean=mean, scale=scale, layers=layers, lam=lam, meta=data.get("meta") or {})
-
-
 # ---------------------------------------------------------------- runtime policy
-
-
-class RoutedTree(TreePolicy):
-    """Per cycle: features before drafting -> router -> draft that template fully (nothing for `[]`).
-    `bind(target)` before decoding (the features read the committed context length from the target's cache)."""
-
-    name = "routing"
-
-    def __init__(self, router: Router):
-        self.router = router
-        self.trees = [StaticTree(S, name=template_name(S)) if len(S) else None for S in router.templates]
-        self.max_depth = max(S.max_depth for S in router.templates)
-        self.max_nodes = max(len(S) for S in router.templates) + 1
-        self.state = RouterState(max_commit=self.max_depth + 1)
-        self.counts = np.zeros(len(router.templates), dtype=np.int64)  # cycles routed to each template
-        self._context_length: Callable[[], int] | None = None
-
-    def bind(self, target=None, *, context_length: Callable[[], int] | None = None) -> "RoutedTree":
-        if context_length is None:
-            if target is None:
-                raise ValueError("bind needs a target (TreeLM) or a context_length callable")
-            context_length = lambda: int(target.cache.length)  # noqa: E731
-        self._context_length = context_length
-        self.state.reset()
-        return self
-
-    def reset(self) -> None:
-        self.state.reset()
-
-    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
-        if self._context_length is None:
-            raise ValueError("the routing policy is not bound to a target: call policy.bind(target) first")
-        k = int(self.router.choose(self.state.features(self._context_length()))[0])
-        self.counts[k] += 1
-        tree = self.trees[k]
-        if tree is None:
-            draft = Draft(drafted=DraftTree.from_root(root), verified=np.zeros(1, dtype=np.int64))
-        else:
-            draft = tree.draft(drafter, root, stop_hook=stop_hook)
-        self.state.drafted(int(draft.drafted.depths.max()))
-        return draft
-
-
-def make_routing(router_path: str | Path | None) -> RoutedTree:
-    if router_path is None:
-        raise ValueError("method 'routing' needs a router (--router PATH: router.json or its folder)")
-    return RoutedTree(load_router(router_path))
 
 
 # ---------------------------------------------------------------- offline data
@@ -466,50 +288,3 @@ def train_router(*, data: RoutingData, seed: int, config: dict | None = None) ->
 
 
 # ---------------------------------------------------------------- stage: train-routing
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def run_train_routing(*, records_dirs: list[Path], latency_path: Path, config: dict | None, seed: int,
-                      out_dir: Path) -> RoutingTrainResult:
-    """Stage `train_routing`: writes `out_dir`/router.json and train.json (figures)."""
-    from ogspo.records import load_records
-
-    if not records_dirs:
-        raise ValueError("train-routing needs at least one records folder")
-    cfg = routing_settings(config)
-    latency = LatencyModel.from_json(latency_path)
-    recs = [load_records(Path(d)) for d in records_dirs]
-    templates = check_templates(cfg["templates"], recs[0].template)
-    for d, r in zip(records_dirs, recs):
-        if r.template.paths != recs[0].template.paths:
-            raise ValueError(f"records folder {d} was collected with another template than {records_dirs[0]}")
-    data = combine_routing([routing_data(records=r, templates=templates, latency=latency) for r in recs])
-    result = train_router(data=data, seed=seed, config=cfg)
-    result.router.meta = {"seed": seed, "records": [str(d) for d in records_dirs]}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_router(result.router, out_dir / ROUTER_FILE)
-    report = {
-        "feature_names": list(ROUTER_FEATURES), "features_version": ROUTER_FEATURES_VERSION,
-        "templates": [S.to_list() for S in templates], "template_names": [template_name(S) for S in templates],
-        "lambda": result.router.lam, "lambdas": result.lambdas, "round_throughputs": result.round_throughputs,
-        "train": asdict(result.train), "holdout": asdict(result.holdout) if result.holdout else None,
-        "n_train_requests": result.n_train_requests, "n_holdout_requests": result.n_holdout_requests,
-        "train_seconds": result.seconds, "settings": result.settings, "seed": seed,
-        "records": [str(d) for d in records_dirs],
-    }
-    _write_text(out_dir / REPORT_FILE, json.dumps(report, indent=1) + "\n")
-    return result
-
-
-__all__ = [
-    "ROUTER_FEATURES", "ROUTER_FEATURES_VERSION", "RoutedTree", "Router", "RouterState", "RoutingData", "RoutingEvaluation",
-    "RoutingTrainResult", "check_templates", "combine_routing", "evaluate_router", "fit_router", "load_router",
-    "make_routing", "per_cycle_bound", "router_features", "routing_data", "run_train_routing", "simulate_router",
-    "train_router", "write_router",
-]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ogspo.calibrate import LatencyModel
+from ogspo.artifacts.latency import LatencyModel
 from ogspo.engine.tree import Structure
-from ogspo.records import Records, template_index
+from ogspo.artifacts.records import Records, template_index
 
 
 @dataclass

@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ogspo.artifacts.structure import load_structure
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter, TreeDrafter
 from ogspo.engine.kernels import KernelTable
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
-from ogspo.engine.tree import Structure
+from ogspo.methods.ogspo import make_ogspo
+from ogspo.drafter.runtime import EagleDrafter, load_head
+from ogspo.methods.routing import make_routing
 
 METHODS = ("ar", "chain", "static", "eagle", "ogspo", "routing")
 DRAFTERS = ("eagle", "lookup", "early-exit")
-
-
-def load_structure(spec: str | Path | list) -> Structure:
-    """A structure from a list of rank paths, a JSON string of one, or a JSON file holding one."""
-    if isinstance(spec, (str, Path)):
-        text = str(spec)
-        if Path(text).is_file():
-            text = Path(text).read_text()
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError:
-            raise ValueError(f"structure {str(spec)[:60]!r} is neither a JSON list of rank paths nor a JSON file") from None
-        if isinstance(spec, dict):
-            spec = spec.get("structure", spec.get("paths"))
-    if not isinstance(spec, list) or not all(isinstance(p, list) and all(isinstance(r, int) for r in p) for p in spec):
-        raise ValueError("a structure is a JSON list of rank paths, e.g. [[0], [1], [0, 0]]")
-    return Structure(spec)
 
 
 def make_policy(
@@ -59,46 +44,8 @@ def make_policy(
     if method == "ogspo":
         return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device)
     if method == "routing":  # pre-drafting routing baseline: a template per cycle, chosen before drafting
-        from ogspo.routing import make_routing
-
         return make_routing(router_path)
     raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")
-
-
-class OgspoTree(StaticTree):
-    """OGSPO: the learned structure S drafted level by level, with the exported policy head (ONNX) as
-    the stop hook evaluated after every level. `bind(target)` before decoding (the hook reads the
-    committed context length from the target's cache)."""
-
-    def __init__(self, structure: Structure, hook):
-        super().__init__(structure, name="ogspo")
-        self.hook = hook
-
-    def bind(self, target: TreeLM) -> "OgspoTree":
-        self.hook.bind(target)
-        return self
-
-    def draft(self, drafter, root, *, stop_hook=None):
-        return super().draft(drafter, root, stop_hook=stop_hook if stop_hook is not None else self.hook)
-
-
-def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu") -> TreePolicy:
-    """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
-    folder's structure.json (it must equal the structure the policy was trained for)."""
-    if policy_path is None:
-        raise ValueError("method 'ogspo' needs a policy folder (--policy DIR with policy.onnx and structure.json)")
-    from ogspo.export import load_policy_dir
-
-    S, hook = load_policy_dir(Path(policy_path), device=device)
-    if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
-        ar = Autoregressive()
-        ar.name = "ogspo"
-        return ar
-    if structure is not None:
-        given = load_structure(structure)
-        if given.paths != S.paths:
-            raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
-    return OgspoTree(S, hook)
 
 
 def make_drafter(
@@ -110,8 +57,6 @@ def make_drafter(
     if name == "eagle":
         if path is None:
             raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
-        from ogspo.drafter.runtime import EagleDrafter, load_head
-
         head, meta = load_head(Path(path), target_model=target_model, target_checksum=target_checksum)
         return EagleDrafter(head, max_len=max_len, drafter_id=f"eagle:{meta.get('id', Path(path).name)}")
     if name == "lookup":

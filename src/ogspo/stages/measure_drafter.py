@@ -18,6 +18,9 @@ from tqdm.auto import tqdm
 
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import Autoregressive, DynamicTree, chain
+from ogspo.engine.tree import DraftTree
+from ogspo.methods.registry import make_drafter, make_target
+from ogspo.stages.model import load_target, model_checksum
 
 
 @dataclass
@@ -59,7 +62,6 @@ def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: i
     """Median ms of one drafter level over w frontier nodes, from a real drafting state."""
     import torch
 
-    from ogspo.engine.tree import DraftTree
 
     L = len(prompt)
     target.cache.reset()
@@ -95,8 +97,6 @@ def measure_drafter(
     seed: int = 0,
     kernels=None,
 ) -> MeasureResult:
-    from ogspo.assets import load_target, model_checksum
-    from ogspo.methods import make_drafter, make_target
 
     t_start = time.perf_counter()
     model, tok = load_target(model_dir)

@@ -1,7 +1,7 @@
 """Stage `report`: tables, ratios and plots from the evaluation and the stages before it.
 
 `results/{device}/report/` gets `summary.json` (one row per method x workload x temperature,
-recomputed from `evaluate/requests.parquet` with `ogspo.evaluate.summarize_requests`), `report.md`
+recomputed from `evaluate/requests.parquet` with `ogspo.stages.evaluate.summarize_requests`), `report.md`
 and PNG plots (matplotlib Agg): throughput by method and workload, the latency model fit, OGSPO
 rounds (when `rounds/T*/rounds.parquet` exist), acceptance by depth from the records summary and
 the chosen OGSPO structure drawn as a tree. Inputs that are absent leave their plot out; report.md
@@ -19,7 +19,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from ogspo.evaluate import REFERENCE, TUNED, json_safe, summarize_requests, temperature_tag
+from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
+from ogspo.artifacts.structure import load_structure
+from ogspo.stages.calibrate import plot_calibration
+from ogspo.stages.evaluate import REFERENCE, TUNED, json_safe, summarize_requests, temperature_tag
 
 REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
                    "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",
@@ -131,7 +134,6 @@ def plot_throughput(rows: list[dict], path: Path) -> Path:
 
 def plot_latency(latency_path: Path, path: Path) -> Path:
     """Re-plot the latency model fit from latency.json (as `calibrate_latency` wrote it)."""
-    from ogspo.calibrate import LatencyCalibration, LatencyModel, plot_calibration
 
     doc = _read_json(latency_path, "latency file")
     need = ("model", "validation", "mdape")
@@ -291,8 +293,6 @@ def limiting_factors(rows: list[dict], *, latency_doc: dict | None, structures: 
     """Data-driven statements about what bounds the speedup on this device."""
     out = []
     if latency_doc is not None:
-        from ogspo.calibrate import LatencyModel
-
         m = LatencyModel.from_json(latency_doc)
         L = float(np.median(m.contexts))
         t1 = float(m.t_verify(1, L))
@@ -346,7 +346,6 @@ def write_report(
     """report/summary.json, report/report.md and the plots. `structures` and `rounds` map a temperature
     tag (T0, T1) to policy/T*/structure.json and rounds/T*/rounds.parquet; absent rounds files leave
     the rounds plot out (said in report.md)."""
-    from ogspo.methods import load_structure
 
     out_dir = Path(out_dir)
     ev = _read_json(evaluate_summary, "evaluation summary")

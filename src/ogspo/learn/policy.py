@@ -37,29 +37,24 @@ Decision rule: stop when the predicted advantage <= 0 (depth D always stops).
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ogspo.calibrate import LatencyModel
+from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.records import Records, path_str
 from ogspo.engine.tree import DraftTree, Structure
-from ogspo.records import Records, path_str
-from ogspo.replay import ReplayCycles, replay, replay_cycles
+from ogspo.offline.replay import replay, replay_cycles
+from ogspo.methods.features import EMA_ALPHA
+from ogspo.methods.features import FEATURES_VERSION
+from ogspo.methods.features import FEATURE_NAMES
+from ogspo.methods.features import N_FEATURES
+from ogspo.methods.features import state_features
 
-FEATURES_VERSION = 1
-FEATURE_NAMES: tuple[str, ...] = (
-    "level", "log_nodes", "log_width", "max_cum_prob", "mean_cum_prob", "sum_cum_prob", "top1_cum_logq",
-    "mean_entropy", "max_prob", "log_context", "recent_accept",
-)
-N_FEATURES = len(FEATURE_NAMES)
-LOGQ_FLOOR = -30.0
-EMA_ALPHA = 0.3
 
 DEFAULT_POLICY = {
     "hidden": 32,
@@ -73,69 +68,6 @@ DEFAULT_POLICY = {
 
 
 # ---------------------------------------------------------------- features
-
-
-def state_features(tree: DraftTree, level: int, *, context_length: int, recent_accept: float) -> np.ndarray:
-    """Features of the state after drafting `level` (order `FEATURE_NAMES`). [F] float32.
-
-    Nodes deeper than `level` are ignored, so one tree per cycle serves every level offline."""
-    depths, parents = tree.depths, tree.parents
-    n = len(depths)
-    cum = np.zeros(n)  # [n] cumulative drafter log-prob (root 0), summed level by level
-    chain = np.zeros(n, dtype=bool)  # [n] on the rank-0 chain from the root
-    chain[0] = True
-    top1 = 0.0
-    at = np.zeros(0, dtype=np.int64)
-    for l in range(1, level + 1):
-        at = np.nonzero(depths == l)[0]  # [w_l]
-        if len(at) == 0:
-            raise ValueError(f"state_features: the tree has no node at level {l} (asked for level {level})")
-        par = parents[at]
-        cum[at] = cum[par] + tree.logq[at]
-        chain[at] = chain[par] & (tree.ranks[at] == 0)
-        on = at[chain[at]]
-        if len(on):
-            top1 = float(cum[on[0]])
-    lc = np.maximum(cum[at], LOGQ_FLOOR)  # [w]
-    p = np.exp(lc)  # [w]
-    return np.array(
-        [
-            level,
-            math.log1p(int(((depths >= 1) & (depths <= level)).sum())),
-            math.log1p(len(at)),
-            p.max(),
-            p.mean(),
-            p.sum(),
-            max(top1, LOGQ_FLOOR),
-            float(np.mean(tree.entropy[at])),
-            math.exp(max(float(tree.logq[at].max()), LOGQ_FLOOR)),
-            math.log1p(context_length),
-            recent_accept,
-        ],
-        dtype=np.float32,
-    )
-
-
-class RecentAccept:
-    """Online `recent_accept`: EMA of committed tokens per cycle, from the committed context length
-    seen at each cycle's first decision. A context that does not grow, or grows by more than one cycle
-    can commit (`max_commit`), starts a new request (EMA back to 0)."""
-
-    def __init__(self, *, max_commit: int, alpha: float = EMA_ALPHA):
-        self.alpha, self.max_commit = alpha, max_commit
-        self.value = 0.0
-        self.last_length: int | None = None
-
-    def reset(self) -> None:
-        self.value, self.last_length = 0.0, None
-
-    def update(self, context_length: int) -> float:
-        if self.last_length is not None and 0 < context_length - self.last_length <= self.max_commit:
-            self.value = (1 - self.alpha) * self.value + self.alpha * (context_length - self.last_length)
-        else:
-            self.value = 0.0
-        self.last_length = context_length
-        return self.value
 
 
 # ---------------------------------------------------------------- offline states and gains
@@ -497,100 +429,4 @@ def combine_data(parts: list[PolicyData]) -> PolicyData:
     )
 
 
-
-
 # ---------------------------------------------------------------- stage: train-policy
-
-
-@dataclass
-class PolicyStageResult:
-    out_dir: Path
-    train: PolicyTrainResult | None  # None when the oracle chose not to draft at all (empty structure)
-    oracle_throughput: float | None
-    export_seconds: float
-    features_seconds: float
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def read_oracle(path: Path) -> tuple[Structure, float | None]:
-    """(structure, throughput) of an oracle JSON written by solve-oracle; one-line error otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"oracle {path} does not exist")
-    try:
-        oracle = json.loads(path.read_text())
-        S = Structure(oracle["structure"])
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"oracle {path} is not an oracle JSON written by solve-oracle") from None
-    return S, (float(oracle["throughput"]) if oracle.get("throughput") is not None else None)
-
-
-def run_train_policy(
-    *, records_dirs: list[Path], latency_path: Path, oracle_path: Path | None, out_dir: Path, config: dict | None, seed: int,
-) -> PolicyStageResult:
-    """Stage `train_policy_only` (and `ogspo train-policy`): structure fixed, features + gains from records,
-    train, evaluate, export. The structure is the oracle's (`oracle_path`) or, with `oracle_path=None`, the
-    records' full template T (the policy-only ablation: no structure optimisation).
-
-    Writes `out_dir`/policy.onnx, structure.json, export.json, train.json and train.md."""
-    from ogspo.export import write_policy_folder
-    from ogspo.records import load_records
-
-    oracle_J = None
-    if oracle_path is not None:
-        S, oracle_J = read_oracle(oracle_path)
-    out_dir = Path(out_dir)
-    if oracle_path is not None and len(S) == 0:  # the oracle found no tree worth verifying: "never draft"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        reason = ("the oracle's structure is empty: on this device and temperature no draft tree beats "
-                  "autoregressive decoding on these records, so the ogspo method decodes autoregressively")
-        write_policy_folder(head=None, structure=S, lam=None, out_dir=out_dir, info={"oracle": str(oracle_path), "seed": seed})
-        report = {"autoregressive": True, "reason": reason, "oracle_throughput": oracle_J}
-        _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
-        _write_text(out_dir / "train.md", f"No policy trained: {reason}.\n")
-        return PolicyStageResult(out_dir=out_dir, train=None, oracle_throughput=oracle_J,
-                                 export_seconds=0.0, features_seconds=0.0)
-    latency = LatencyModel.from_json(latency_path)
-    t0 = time.perf_counter()
-    records = [load_records(Path(d)) for d in records_dirs]
-    if not records:
-        raise ValueError("no records folders given")
-    if oracle_path is None:
-        S = records[0].template
-    parts = [offline_states(records=r, structure=S, latency=latency) for r in records]
-    data = combine_data(parts)
-    t_feat = time.perf_counter() - t0
-    result = train_policy(data=data, seed=seed, config=config, oracle_throughput=oracle_J)
-    source = str(oracle_path) if oracle_path is not None else "records template"
-    exp = write_policy_folder(head=result.head, structure=S, lam=result.lam, out_dir=out_dir,
-                              info={"structure_source": source, "seed": seed})
-    report = {
-        "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES), "structure": S.to_list(),
-        "structure_source": source,
-        "lambda": result.lam, "lambdas": result.lambdas, "round_throughputs": result.round_throughputs,
-        "train": asdict(result.train), "holdout": asdict(result.holdout) if result.holdout else None,
-        "n_train_requests": result.n_train_requests, "n_holdout_requests": result.n_holdout_requests,
-        "train_seconds": result.seconds, "features_seconds": t_feat, "export_seconds": exp.seconds,
-        "settings": result.settings, "seed": seed, "records": [str(d) for d in records_dirs],
-    }
-    _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
-    md = [f"### OGSPO policy (|S| = {len(S)}, depth {S.max_depth}, lambda {result.lam:.3f}, structure: {source})", "",
-          result.train.to_markdown("train records")]
-    if result.holdout is not None:
-        md.append(result.holdout.to_markdown("held-out requests"))
-    _write_text(out_dir / "train.md", "\n".join(md))
-    return PolicyStageResult(out_dir=out_dir, train=result, oracle_throughput=oracle_J, export_seconds=exp.seconds,
-                             features_seconds=t_feat)
-
-
-__all__ = [
-    "EMA_ALPHA", "FEATURES_VERSION", "FEATURE_NAMES", "PolicyData", "PolicyEvaluation", "PolicyHead", "PolicyTrainResult",
-    "HEAD_FILE", "RecentAccept", "combine_data", "evaluate_policy", "fit_head", "load_head", "offline_states",
-    "policy_depths", "posterior_bound", "read_oracle", "run_train_policy", "save_head", "split_requests", "state_features",
-    "stop_depths", "train_policy",
-]

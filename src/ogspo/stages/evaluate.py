@@ -26,9 +26,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from ogspo.artifacts.oracle import read_oracle
+from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
+from ogspo.methods.registry import make_policy
 
 # Method kinds of `evaluate.methods`; `chain` expands to one method per `evaluate.chains` entry.
 EVAL_METHODS = (
@@ -95,7 +98,6 @@ def request_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
 
 
 def _structure_or_ar(path: Path, name: str) -> TreePolicy:
-    from ogspo.methods import load_structure
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"method '{name}': structure file {path} does not exist")
@@ -124,7 +126,6 @@ def build_policy(
 ) -> TreePolicy:
     """The tree policy of one method at one temperature and workload; artifact paths are templates
     with `{T}` (temperature tag)."""
-    from ogspo.methods import make_policy
 
     if spec.kind == "ar":
         return Autoregressive()
@@ -593,17 +594,14 @@ def load_prompts(workload_files: list[Path], tokenizer, *, split: str, n: int) -
     return out
 
 
-def read_oracle(paths: Mapping[str, Path]) -> dict[str, float]:
+def oracle_throughputs(paths: Mapping[str, Path]) -> dict[str, float]:
     """Temperature tag -> the oracle's throughput (results/{device}/solve/oracle_T*.json)."""
     out = {}
     for tag, path in paths.items():
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"oracle file {path} does not exist")
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or "throughput" not in data:
+        _, throughput = read_oracle(path)
+        if throughput is None:
             raise ValueError(f"{path}: not an oracle JSON (no 'throughput')")
-        out[tag] = float(data["throughput"])
+        out[tag] = throughput
     return out
 
 

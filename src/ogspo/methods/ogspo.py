@@ -1,0 +1,161 @@
+"""OGSPO at decode time: the exported policy head under onnxruntime as the engine's stop hook, over
+the structure it was trained for (docs/DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from ogspo.artifacts.policy_folder import INPUT_NAME
+from ogspo.artifacts.policy_folder import POLICY_FILE
+from ogspo.artifacts.structure import STRUCTURE_FILE
+from ogspo.engine.policies import TreePolicy
+from ogspo.engine.target import TreeLM
+from ogspo.engine.tree import Structure
+from ogspo.methods.features import state_features
+from ogspo.artifacts.structure import load_structure
+from ogspo.engine.policies import Autoregressive
+from ogspo.engine.policies import StaticTree
+from ogspo.engine.tree import DraftTree
+from ogspo.methods.features import FEATURES_VERSION
+from ogspo.methods.features import FEATURE_NAMES
+from ogspo.methods.features import RecentAccept
+
+
+class OnnxPolicy:
+    """The exported head under onnxruntime (session created once), usable as the engine's stop hook.
+
+    As a hook it needs the committed context length: `bind(target)` (a TreeLM: reads target.cache.length)
+    or `bind(context_length=callable)`. `recent_accept` is tracked from that length (`RecentAccept`);
+    `reset()` starts a new request explicitly."""
+
+    def __init__(self, path: Path, *, device: str = "cpu"):
+        import onnxruntime as ort
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / POLICY_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"policy file {path} does not exist")
+        providers = ["CPUExecutionProvider"]
+        if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises several error types for bad files
+            raise ValueError(f"policy file {path} is not a readable ONNX model ({exc.__class__.__name__})") from None
+        self.path = path
+        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
+        if "ogspo_features_version" not in self.metadata:
+            raise ValueError(f"policy file {path} has no ogspo metadata (not written by export_policy)")
+        version = int(self.metadata["ogspo_features_version"])
+        names = tuple(json.loads(self.metadata["ogspo_feature_names"]))
+        if version != FEATURES_VERSION or names != FEATURE_NAMES:
+            raise ValueError(
+                f"policy file {path} uses features version {version} ({len(names)} features); this ogspo computes "
+                f"version {FEATURES_VERSION} ({len(FEATURE_NAMES)} features): retrain the policy"
+            )
+        inputs = self.session.get_inputs()
+        if [i.name for i in inputs] != [INPUT_NAME] or inputs[0].shape[-1] != len(FEATURE_NAMES):
+            raise ValueError(f"policy file {path} does not take one input '{INPUT_NAME}' [batch, {len(FEATURE_NAMES)}]")
+        paths = json.loads(self.metadata.get("ogspo_structure", "[]"))
+        self.structure = Structure(paths) if paths else None
+        self.lam = float(self.metadata["ogspo_lambda"]) if self.metadata.get("ogspo_lambda") else None
+        self.providers = self.session.get_providers()
+        self._context_length: Callable[[], int] | None = None
+        depth = self.structure.max_depth if self.structure is not None else 64
+        self.recent = RecentAccept(max_commit=depth + 1)
+        self.calls = 0
+        self.stops = 0
+
+    def bind(self, target=None, *, context_length: Callable[[], int] | None = None) -> "OnnxPolicy":
+        if context_length is None:
+            if target is None:
+                raise ValueError("bind needs a target (TreeLM) or a context_length callable")
+            context_length = lambda: int(target.cache.length)  # noqa: E731
+        self._context_length = context_length
+        self.recent.reset()
+        return self
+
+    def reset(self) -> None:
+        self.recent.reset()
+
+    def advantage(self, features: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(np.asarray(features, dtype=np.float32).reshape(-1, len(FEATURE_NAMES)))  # [B, F]
+        return self.session.run(None, {INPUT_NAME: x})[0]  # [B]
+
+    def decide(self, features: np.ndarray) -> bool:
+        """True = stop now (predicted advantage of continuing <= 0)."""
+        return bool(self.advantage(features)[0] <= 0)
+
+    def features(self, tree: DraftTree, level: int) -> np.ndarray:
+        if self._context_length is None:
+            raise ValueError("the ogspo stop policy is not bound to a target: call policy.bind(target) first")
+        L = self._context_length()
+        if level == 1:
+            self.recent.update(L)
+        return state_features(tree, level, context_length=L, recent_accept=self.recent.value)
+
+    def __call__(self, tree: DraftTree, level: int) -> bool:
+        stop = self.decide(self.features(tree, level))
+        self.calls += 1
+        self.stops += stop
+        return stop
+
+
+def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None"]:
+    """(structure, ONNX policy) of a policy folder; the two must agree. An empty structure (the
+    oracle chose autoregressive decoding) comes without a policy."""
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"policy folder {path} does not exist")
+    if not (path / STRUCTURE_FILE).is_file():
+        raise FileNotFoundError(f"policy folder {path} has no {STRUCTURE_FILE}")
+    structure = load_structure(path / STRUCTURE_FILE)
+    if len(structure) == 0:  # the oracle chose not to draft: no head was trained
+        return structure, None
+    policy = OnnxPolicy(path / POLICY_FILE, device=device)
+    if policy.structure is not None and policy.structure.paths != structure.paths:
+        raise ValueError(f"policy folder {path}: {STRUCTURE_FILE} differs from the structure the policy was trained for")
+    return structure, policy
+
+
+class OgspoTree(StaticTree):
+    """OGSPO: the learned structure S drafted level by level, with the exported policy head (ONNX) as
+    the stop hook evaluated after every level. `bind(target)` before decoding (the hook reads the
+    committed context length from the target's cache)."""
+
+    def __init__(self, structure: Structure, hook):
+        super().__init__(structure, name="ogspo")
+        self.hook = hook
+
+    def bind(self, target: TreeLM) -> "OgspoTree":
+        self.hook.bind(target)
+        return self
+
+    def draft(self, drafter, root, *, stop_hook=None):
+        return super().draft(drafter, root, stop_hook=stop_hook if stop_hook is not None else self.hook)
+
+
+def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu") -> TreePolicy:
+    """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
+    folder's structure.json (it must equal the structure the policy was trained for)."""
+    if policy_path is None:
+        raise ValueError("method 'ogspo' needs a policy folder (--policy DIR with policy.onnx and structure.json)")
+
+    S, hook = load_policy_dir(Path(policy_path), device=device)
+    if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
+        ar = Autoregressive()
+        ar.name = "ogspo"
+        return ar
+    if structure is not None:
+        given = load_structure(structure)
+        if given.paths != S.paths:
+            raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
+    return OgspoTree(S, hook)

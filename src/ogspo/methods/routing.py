@@ -1,0 +1,103 @@
+"""Pre-drafting routing at decode time (docs/DESIGN.md §7): a router picks a template per cycle before
+drafting; see `learn.routing` for the features and the training."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from ogspo.artifacts.router import Router
+from ogspo.artifacts.router import load_router
+from ogspo.artifacts.router import template_name
+from ogspo.engine.policies import Draft
+from ogspo.engine.policies import StaticTree
+from ogspo.engine.policies import TreePolicy
+from ogspo.engine.tree import DraftTree
+from ogspo.methods.features import EMA_ALPHA
+from ogspo.methods.features import RecentAccept
+
+
+def router_features(*, context_length: float, recent_accept: float, last_commit: int, last_depth: int | None) -> np.ndarray:
+    """Features before drafting a cycle (order `ROUTER_FEATURES`); `last_depth` None = the request's first cycle. [F]"""
+    first = last_depth is None
+    drafted = not first and last_depth > 0
+    return np.array(
+        [math.log1p(context_length), recent_accept, 0 if first else last_commit, float(drafted),
+         float(drafted and last_commit == last_depth + 1), float(first)],
+        dtype=np.float64,
+    )
+
+
+class RouterState:
+    """Online feature state of one request stream: the committed context length seen at each cycle's start
+    gives the previous cycle's commit (`RecentAccept`); `drafted(depth)` tells it the depth just drafted."""
+
+    def __init__(self, *, max_commit: int, alpha: float = EMA_ALPHA):
+        self.recent = RecentAccept(max_commit=max_commit, alpha=alpha)
+        self.last_depth: int | None = None
+
+    def reset(self) -> None:
+        self.recent.reset()
+        self.last_depth = None
+
+    def features(self, context_length: int) -> np.ndarray:
+        prev = self.recent.last_length
+        same_request = prev is not None and 0 < context_length - prev <= self.recent.max_commit
+        commit = context_length - prev if same_request else 0
+        ema = self.recent.update(context_length)
+        if not same_request:
+            self.last_depth = None
+        return router_features(context_length=context_length, recent_accept=ema, last_commit=commit,
+                               last_depth=self.last_depth)
+
+    def drafted(self, depth: int) -> None:
+        self.last_depth = int(depth)
+
+
+class RoutedTree(TreePolicy):
+    """Per cycle: features before drafting -> router -> draft that template fully (nothing for `[]`).
+    `bind(target)` before decoding (the features read the committed context length from the target's cache)."""
+
+    name = "routing"
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.trees = [StaticTree(S, name=template_name(S)) if len(S) else None for S in router.templates]
+        self.max_depth = max(S.max_depth for S in router.templates)
+        self.max_nodes = max(len(S) for S in router.templates) + 1
+        self.state = RouterState(max_commit=self.max_depth + 1)
+        self.counts = np.zeros(len(router.templates), dtype=np.int64)  # cycles routed to each template
+        self._context_length: Callable[[], int] | None = None
+
+    def bind(self, target=None, *, context_length: Callable[[], int] | None = None) -> "RoutedTree":
+        if context_length is None:
+            if target is None:
+                raise ValueError("bind needs a target (TreeLM) or a context_length callable")
+            context_length = lambda: int(target.cache.length)  # noqa: E731
+        self._context_length = context_length
+        self.state.reset()
+        return self
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
+        if self._context_length is None:
+            raise ValueError("the routing policy is not bound to a target: call policy.bind(target) first")
+        k = int(self.router.choose(self.state.features(self._context_length()))[0])
+        self.counts[k] += 1
+        tree = self.trees[k]
+        if tree is None:
+            draft = Draft(drafted=DraftTree.from_root(root), verified=np.zeros(1, dtype=np.int64))
+        else:
+            draft = tree.draft(drafter, root, stop_hook=stop_hook)
+        self.state.drafted(int(draft.drafted.depths.max()))
+        return draft
+
+
+def make_routing(router_path: str | Path | None) -> RoutedTree:
+    if router_path is None:
+        raise ValueError("method 'routing' needs a router (--router PATH: router.json or its folder)")
+    return RoutedTree(load_router(router_path))
