@@ -193,6 +193,57 @@ def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
     return total, losses, accs
 
 
+def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: dict, seed: int, start: int, history: list,
+                 checkpoint) -> None:
+    """Steps start..cfg["steps"] of training (appending to `history`), saving a resumable checkpoint
+    every `checkpoint_every` steps; checkpoint = (path, run key, numpy generator)."""
+    ckpt, run_key, rng = checkpoint
+    head.train()
+    bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
+    for step in bar:
+        batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"])
+        loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % 25 == 0 or step == cfg["steps"] - 1:
+            history.append({"step": step, "loss": losses, "top1": accs})
+            bar.set_postfix(loss=f"{losses[0]:.3f}", top1=f"{accs[0]:.3f}")
+        if (step + 1) % cfg["checkpoint_every"] == 0 and step + 1 < cfg["steps"]:
+            _atomic_torch_save(
+                {"key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                 "step": step + 1, "history": history, "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()},
+                ckpt,
+            )
+
+
+def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch.Tensor, cfg: dict, batch_tokens: int):
+    """Summed held-out TTT losses and top-1 agreements per step, and the number of batches."""
+    head.eval()
+    with torch.no_grad():
+        vl, va, nb = np.zeros(cfg["ttt_steps"]), np.zeros(cfg["ttt_steps"]), 0
+        for b in token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens):
+            _, losses, accs = ttt_loss(head, make_batch(seqs, val[b], t2d, cfg["seq_len"]), cfg["ttt_steps"], cfg["ttt_decay"])
+            vl += losses
+            va += accs
+            nb += 1
+    return vl, va, nb
+
+
+def _write_head(head: EagleHead, meta: dict, out_dir: Path) -> None:
+    """The drafter folder (weights + drafter.json), built beside `out_dir` and renamed over it."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS))
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
 def train_drafter(
     *,
     model,
@@ -251,35 +302,11 @@ def train_drafter(
             rng.bit_generator.state = state["rng"]
             torch.set_rng_state(state["torch_rng"])
     t1 = time.perf_counter()
-    head.train()
-    bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
-    for step in bar:
-        batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"])
-        loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if step % 25 == 0 or step == cfg["steps"] - 1:
-            history.append({"step": step, "loss": losses, "top1": accs})
-            bar.set_postfix(loss=f"{losses[0]:.3f}", top1=f"{accs[0]:.3f}")
-        if (step + 1) % cfg["checkpoint_every"] == 0 and step + 1 < cfg["steps"]:
-            _atomic_torch_save(
-                {"key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                 "step": step + 1, "history": history, "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()},
-                ckpt,
-            )
+    _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed, start=start,
+                 history=history, checkpoint=(ckpt, run_key, rng))
     train_s = time.perf_counter() - t1
 
-    head.eval()
-    with torch.no_grad():
-        vl, va, nb = np.zeros(cfg["ttt_steps"]), np.zeros(cfg["ttt_steps"]), 0
-        for b in token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens):
-            _, losses, accs = ttt_loss(head, make_batch(seqs, val[b], t2d, cfg["seq_len"]), cfg["ttt_steps"], cfg["ttt_decay"])
-            vl += losses
-            va += accs
-            nb += 1
+    vl, va, nb = _validate(head, seqs, val, t2d, cfg, batch_tokens)
     n_tokens = int(sum(len(s.tokens) for s in seqs))
     meta = {
         "kind": "eagle3-head",
@@ -290,14 +317,7 @@ def train_drafter(
                     "data_seconds": data_s, "train_seconds": train_s, "steps": cfg["steps"], "history": history},
     }
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    state = {k: v.contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS))
-    (tmp / META).write_text(json.dumps(meta, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    _write_head(head, meta, out_dir)
     if ckpt.is_file():
         ckpt.unlink()
     return TrainResult(path=out_dir, steps=cfg["steps"], train_tokens=n_tokens, data_seconds=data_s, train_seconds=train_s,

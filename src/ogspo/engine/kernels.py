@@ -316,6 +316,61 @@ def _layer_ops_runner(name: str, shape: list[int], n_layers: int, eps: float, co
     return run
 
 
+def _select(med: dict, runners: dict, classes: list[str], rows: list[int], *, pad_margin: float, invariant_margin: float):
+    """Per class, from the median timings: the kernel and the padded row count for every row count,
+    and the timings table (class -> kernel -> us per timed row count)."""
+    choice, pad_to, timings = {}, {}, {}
+    for c in classes:
+        ks = [k for (cc, k) in runners if cc == c]
+        timed = [m for m in rows if (c, ks[0], m) in med]
+        timings[c] = {k: [round(med[(c, k, m)], 1) for m in timed] for k in ks}
+        best = [_pick(ks, {k: med[(c, k, m)] for k in ks}, invariant_margin) for m in timed]
+        best_t = [med[(c, best[i], m)] for i, m in enumerate(timed)]
+        choice[c], pad_to[c] = [], []
+        for i, m in enumerate(rows):
+            if i >= len(timed):  # past the timed rows: the last timed kernel (torch's layer ops), unpadded
+                choice[c].append(TORCH if c == LAYER_OPS else choice[c][-1])
+                pad_to[c].append(m)
+                continue
+            # pad to the cheapest larger row count only where it beats this one by `pad_margin`
+            # (matmuls only: the layer ops' cost is not what a padded matmul pays)
+            j = i if c == LAYER_OPS else min(range(i, len(timed)), key=lambda j: best_t[j])
+            if best_t[j] > (1 - pad_margin) * best_t[i]:
+                j = i
+            choice[c].append(best[j])
+            pad_to[c].append(timed[j])
+    return choice, pad_to, timings
+
+
+def _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_rows, g):
+    """(class, kernel) -> a function of the row count that runs it once over every layer; the row
+    limit per class; the candidates that cannot run here and why. Adds the layer ops' shape to `shapes`."""
+    unavailable = {}
+    runners = {}  # (class, kernel) -> function of the row count
+    for c, ws in weights.items():
+        for k in candidates:
+            try:
+                wts = [Weight(w, {k}) for w in ws]
+                wts[0].apply(k, torch.zeros(2, ws[0].shape[1]))
+            except (RuntimeError, ValueError) as err:
+                unavailable[k] = str(err).splitlines()[0]
+                continue
+            xs = {m: torch.randn(m, shapes[c][1], generator=g) for m in rows if c != "lm_head" or m <= lm_head_max_rows}
+            runners[(c, k)] = lambda m, wts=wts, k=k, xs=xs: [w.apply(k, xs[m]) for w in wts]
+    max_rows = {"lm_head": lm_head_max_rows}
+    if layer_ops is not None:
+        shapes[LAYER_OPS] = list(layer_ops["shape"])
+        max_rows[LAYER_OPS] = layer_ops["max_rows"]
+        ops_rows = [m for m in rows if m <= layer_ops["max_rows"]]
+        for k in (TORCH, *(k for k in candidates if k.startswith("native"))):
+            try:
+                runners[(LAYER_OPS, k)] = _layer_ops_runner(k, shapes[LAYER_OPS], layer_ops["n_layers"], layer_ops["eps"],
+                                                            layer_ops["context"], ops_rows, g)
+            except RuntimeError as err:
+                unavailable[k] = str(err).splitlines()[0]
+    return runners, max_rows, unavailable
+
+
 def calibrate_kernels(
     weights: dict[str, list[torch.Tensor]],
     *,
@@ -348,33 +403,11 @@ def calibrate_kernels(
     threads = torch.get_num_threads()
     if candidates is None:
         candidates = BASE_KERNELS + native_kernels(threads)
-    unavailable = {}
     rows = sorted(set(int(r) for r in rows))
     shapes = {c: list(ws[0].shape) for c, ws in weights.items()}
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
-    runners = {}  # (class, kernel) -> function of the row count
-    for c, ws in weights.items():
-        for k in candidates:
-            try:
-                wts = [Weight(w, {k}) for w in ws]
-                wts[0].apply(k, torch.zeros(2, ws[0].shape[1]))
-            except (RuntimeError, ValueError) as err:
-                unavailable[k] = str(err).splitlines()[0]
-                continue
-            xs = {m: torch.randn(m, shapes[c][1], generator=g) for m in rows if c != "lm_head" or m <= lm_head_max_rows}
-            runners[(c, k)] = lambda m, wts=wts, k=k, xs=xs: [w.apply(k, xs[m]) for w in wts]
-    max_rows = {"lm_head": lm_head_max_rows}
-    if layer_ops is not None:
-        shapes[LAYER_OPS] = list(layer_ops["shape"])
-        max_rows[LAYER_OPS] = layer_ops["max_rows"]
-        ops_rows = [m for m in rows if m <= layer_ops["max_rows"]]
-        for k in (TORCH, *(k for k in candidates if k.startswith("native"))):
-            try:
-                runners[(LAYER_OPS, k)] = _layer_ops_runner(k, shapes[LAYER_OPS], layer_ops["n_layers"], layer_ops["eps"],
-                                                            layer_ops["context"], ops_rows, g)
-            except RuntimeError as err:
-                unavailable[k] = str(err).splitlines()[0]
+    runners, max_rows, unavailable = _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_rows, g)
     classes = list(weights) + ([LAYER_OPS] if layer_ops is not None else [])
     cells = [(c, k, m) for (c, k) in runners for m in rows if m <= max_rows.get(c, m)]
     times: dict[tuple[str, str, int], list[float]] = {cell: [] for cell in cells}
@@ -398,26 +431,7 @@ def calibrate_kernels(
             if r >= 1 and time.perf_counter() - t_phase > budget:
                 break
     med = {cell: float(np.median(v)) for cell, v in times.items()}
-    choice, pad_to, timings = {}, {}, {}
-    for c in classes:
-        ks = [k for (cc, k) in runners if cc == c]
-        timed = [m for m in rows if (c, ks[0], m) in med]
-        timings[c] = {k: [round(med[(c, k, m)], 1) for m in timed] for k in ks}
-        best = [_pick(ks, {k: med[(c, k, m)] for k in ks}, invariant_margin) for m in timed]
-        best_t = [med[(c, best[i], m)] for i, m in enumerate(timed)]
-        choice[c], pad_to[c] = [], []
-        for i, m in enumerate(rows):
-            if i >= len(timed):  # past the timed rows: the last timed kernel (torch's layer ops), unpadded
-                choice[c].append(TORCH if c == LAYER_OPS else choice[c][-1])
-                pad_to[c].append(m)
-                continue
-            # pad to the cheapest larger row count only where it beats this one by `pad_margin`
-            # (matmuls only: the layer ops' cost is not what a padded matmul pays)
-            j = i if c == LAYER_OPS else min(range(i, len(timed)), key=lambda j: best_t[j])
-            if best_t[j] > (1 - pad_margin) * best_t[i]:
-                j = i
-            choice[c].append(best[j])
-            pad_to[c].append(timed[j])
+    choice, pad_to, timings = _select(med, runners, classes, rows, pad_margin=pad_margin, invariant_margin=invariant_margin)
     return KernelTable(
         key=device_key("cpu", next(iter(weights.values()))[0].dtype), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to, timings_us=timings,
         meta={"reps": reps, "seconds": round(time.perf_counter() - t_start, 1), "candidates": list(candidates),

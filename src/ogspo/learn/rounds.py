@@ -178,7 +178,9 @@ def same_trace(
     """Re-run the record cycles of `request_ids` (those within `max_new_tokens` generated tokens) for real
     under `data.structure` with the eps-greedy policy as stop hook; one row per cycle (`SAME_TRACE_SCHEMA`).
 
-    `data` = `offline_states(records, data.structure)` (row c = records.cycles row c)."""
+    `data` = `offline_states(records, data.structure)` (row c = records.cycles row c). One function on
+    purpose (~80 lines): the stop hook, the cycle loop and the row it writes share the per-cycle state
+    (decisions, propensities, the record row being replayed)."""
     S = data.structure
     temperature = float(records.meta["temperature"])
     hook = ExploringStop(decide=decide, epsilon=epsilon)
@@ -347,7 +349,9 @@ def run_rounds(
     """Alternate policy and structure updates from `structure` (the oracle's), with same-trace checks.
 
     `config` holds the `rounds`, `policy` and `solve` sections; `setup()` is called once, only when
-    there is a structure to execute (it loads the model and drafter)."""
+    there is a structure to execute (it loads the model and drafter). One loop on purpose (~90 lines):
+    a round's policy fit, same-trace check, acceptance test and structure update share the incumbent
+    and the stop reason, which split functions would hand back and forth."""
 
     cfg = rounds_settings(config)
     settings = {"rounds": cfg, "policy": (config or {}).get("policy"), "solve": (config or {}).get("solve")}

@@ -117,6 +117,30 @@ def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.ra
     return {s: float(np.median(v)) for s, v in samples.items()}
 
 
+def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
+                   rng: np.random.Generator, dev) -> dict[tuple, float]:
+    """t_draft(w): one drafter level over a frontier of w depth-1 nodes of a real drafting state."""
+    kmax = max(widths)
+
+    def time_draft(w: int) -> float:
+        drafter.begin(list(prompt), pre)  # discards any pending drafter state of the previous rep
+        tree = DraftTree.from_root(int(prompt[-1]))
+        exp = drafter.expand(tree, np.zeros(1, dtype=np.int64), kmax)
+        toks = exp.tokens[0]
+        toks = np.where(toks < 0, rng.integers(0, target.vocab_size, kmax), toks)  # model-free drafters may run short
+        kids = tree.add_children(
+            parents=np.zeros(kmax, dtype=np.int64), tokens=toks, ranks=np.arange(kmax),
+            logq=np.zeros(kmax), entropy=np.zeros(kmax),
+        )
+        _sync(dev)
+        t0 = time.perf_counter()
+        drafter.expand(tree, kids[:w], kmax)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    return _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng)
+
+
 def calibrate_latency(
     *,
     target: TreeLM,
@@ -165,26 +189,8 @@ def calibrate_latency(
     target.cache.reset()
     pre = target.forward(torch.tensor(prompt), torch.arange(prompt_len), None, logits_rows=torch.tensor([prompt_len - 1]))
     target.cache.commit_prefix(prompt_len)
-    kmax = max(widths)
     dev = getattr(target, "device", "cpu")
-
-    def time_draft(w: int) -> float:
-        drafter.begin(list(prompt), pre)  # discards any pending drafter state of the previous rep
-        tree = DraftTree.from_root(int(prompt[-1]))
-        exp = drafter.expand(tree, np.zeros(1, dtype=np.int64), kmax)
-        toks = exp.tokens[0]
-        toks = np.where(toks < 0, rng.integers(0, target.vocab_size, kmax), toks)  # model-free drafters may run short
-        kids = tree.add_children(
-            parents=np.zeros(kmax, dtype=np.int64), tokens=toks, ranks=np.arange(kmax),
-            logq=np.zeros(kmax), entropy=np.zeros(kmax),
-        )
-        _sync(dev)
-        t0 = time.perf_counter()
-        drafter.expand(tree, kids[:w], kmax)
-        _sync(dev)
-        return time.perf_counter() - t0
-
-    draft = _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng)
+    draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=dev)
 
     # ---- t_fixed from real engine cycles
     struct = Structure.full([2, 2, 1])

@@ -109,6 +109,19 @@ def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> d
     }
 
 
+def _cycle_row(trace: CycleTrace, rid: str, rseed: int, tidx: dict) -> dict:
+    paths = node_rank_paths(trace.drafted.parents, trace.drafted.ranks)
+    acc = trace.verdict.path[1:]
+    s = trace.stats
+    return {
+        "request_id": rid, "cycle": trace.index, "request_seed": rseed, "seed": s.seed,
+        "context_length": trace.context_length, "root_token": trace.root, "tree_size": s.tree_size,
+        "draft_seconds": list(s.draft_seconds), "verify_seconds": s.verify_seconds, "cycle_seconds": s.cycle_seconds,
+        "accepted_tnodes": [tidx[paths[v]] for v in acc], "accepted_paths": [path_str(paths[v]) for v in acc],
+        "accepted_length": s.accepted, "committed": list(trace.committed),
+    }
+
+
 def collect_records(
     *,
     target: TreeLM,
@@ -154,20 +167,9 @@ def collect_records(
     current = {"rid": "", "rseed": 0}
 
     def observe(trace: CycleTrace) -> None:
-        rid = current["rid"]
-        for k, v in _node_rows(trace, rid, tidx, temperature).items():
+        for k, v in _node_rows(trace, current["rid"], tidx, temperature).items():
             nodes[k].extend(v)
-        paths = node_rank_paths(trace.drafted.parents, trace.drafted.ranks)
-        acc = trace.verdict.path[1:]
-        s = trace.stats
-        row = {
-            "request_id": rid, "cycle": trace.index, "request_seed": current["rseed"], "seed": s.seed,
-            "context_length": trace.context_length, "root_token": trace.root, "tree_size": s.tree_size,
-            "draft_seconds": list(s.draft_seconds), "verify_seconds": s.verify_seconds, "cycle_seconds": s.cycle_seconds,
-            "accepted_tnodes": [tidx[paths[v]] for v in acc], "accepted_paths": [path_str(paths[v]) for v in acc],
-            "accepted_length": s.accepted, "committed": list(trace.committed),
-        }
-        for k, v in row.items():
+        for k, v in _cycle_row(trace, current["rid"], current["rseed"], tidx).items():
             cycles[k].append(v)
 
     engine = SpeculativeEngine(
