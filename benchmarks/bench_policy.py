@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchdoc import cpu_model, stats, write_section  # noqa: E402
 
-from ogspo.stages.config import load_config
 from ogspo.engine.tree import DraftTree, Structure  # noqa: E402
-from ogspo.methods.ogspo import OnnxPolicy
 from ogspo.learn.export import export_policy
 from ogspo.learn.policy import DEFAULT_POLICY, PolicyHead
 from ogspo.methods.features import N_FEATURES, state_features
+from ogspo.methods.ogspo import OnnxPolicy
+from ogspo.stages.config import load_config
 
 
 def random_tree(S: Structure, rng: np.random.Generator) -> DraftTree:

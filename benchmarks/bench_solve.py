@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchdoc import cpu_model, write_section  # noqa: E402
 
-from ogspo.stages.config import load_config
 from ogspo.engine.tree import Structure  # noqa: E402
 from ogspo.offline.solve import combine_cycles, solve_oracle, solve_structure
+from ogspo.stages.config import load_config
 
 
 def main() -> None:

@@ -7,6 +7,8 @@
 # - report: report/summary.json, report.md and PNG plots.
 # Method artifacts are passed as path templates, {T} = temperature tag (T0, T1).
 
+from ogspo.methods.registry import ARTIFACT_KINDS
+
 EVAL_METHODS = config["evaluate"]["methods"]
 # method kind -> (input folder/file per temperature tag, path template passed to `ogspo evaluate --artifact`)
 EVAL_ARTIFACTS = {
@@ -17,6 +19,7 @@ EVAL_ARTIFACTS = {
     "ogspo-structure": (f"{RESULTS}/policy/{{T}}", f"{RESULTS}/policy/{{T}}/structure.json"),
     "ogspo-policy": (f"{RESULTS}/ablation/policy_only/{{T}}", f"{RESULTS}/ablation/policy_only/{{T}}"),
 }
+assert set(EVAL_ARTIFACTS) == set(ARTIFACT_KINDS), "rules/evaluate.smk: EVAL_ARTIFACTS must map every artifact kind of ogspo.methods.registry"
 EVAL_ARTIFACT_KINDS = [m for m in EVAL_METHODS if m in EVAL_ARTIFACTS]
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from ogspo.methods.features import FEATURE_NAMES, N_FEATURES
 from ogspo.learn.policy import PolicyHead
+from ogspo.methods.features import FEATURE_NAMES, N_FEATURES
 
 
 def threshold_head(feature: str, threshold: float) -> PolicyHead:

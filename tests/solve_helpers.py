@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ogspo.artifacts.latency import LatencyModel
-from ogspo.engine.tree import Structure
 from ogspo.artifacts.records import template_index
+from ogspo.engine.tree import Structure
 from ogspo.offline.replay import ReplayCycles, _node_depths
 
 

@@ -12,17 +12,17 @@ import pytest
 from engine_helpers import hf_greedy, tiny_model
 from solve_helpers import synthetic_cycles, synthetic_latency
 from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.records import Records, template_index
+from ogspo.artifacts.router import ROUTER_FEATURES, Router, load_router, template_name, write_router
+from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
-from ogspo.artifacts.structure import load_structure
-from ogspo.methods.registry import make_policy
-from ogspo.artifacts.records import Records, template_index
-from ogspo.offline.replay import replay
-from ogspo.artifacts.router import ROUTER_FEATURES, Router, load_router, template_name, write_router
-from ogspo.methods.routing import RoutedTree
 from ogspo.learn.routing import RoutingData, check_templates, routing_data, simulate_router, train_router
+from ogspo.methods.registry import make_policy
+from ogspo.methods.routing import RoutedTree
+from ogspo.offline.replay import replay
 from ogspo.offline.sequoia import best_trees, estimate_acceptance, expected_accepted, sequoia_tree
 
 # ---------------------------------------------------------------- Sequoia

@@ -6,13 +6,12 @@ import warnings
 import pytest
 import torch
 
-from ogspo.stages.model import load_target
-from ogspo.engine import kernels as K
-from ogspo.engine import native
+from ogspo.engine import kernels as K, native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.target import LlamaTreeLM
 from ogspo.methods.registry import make_drafter, make_policy, make_target
+from ogspo.stages.model import load_target
 
 PROMPTS = [
     "The capital of France is",

@@ -19,7 +19,13 @@ from ogspo.learn.export import export_policy
 from ogspo.artifacts.structure import write_structure
 from policy_helpers import threshold_head
 from ogspo.stages.evaluate import (
-    LosslessError, evaluate_methods, method_specs, rotated_order, summarize_requests, tune_eagle, write_evaluation,
+    LosslessError,
+    evaluate_methods,
+    method_specs,
+    rotated_order,
+    summarize_requests,
+    tune_eagle,
+    write_evaluation,
     write_tuning,
 )
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import hf_greedy, tiny_model
-from ogspo.engine import kernels as K
-from ogspo.engine import native
+from ogspo.engine import kernels as K, native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import DynamicTree, StaticTree, chain

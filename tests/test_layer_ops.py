@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from engine_helpers import hf_greedy, tiny_model
-from ogspo.engine import kernels as K
-from ogspo.engine import native
+from ogspo.engine import kernels as K, native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.layer_ops import Step, TorchLayerOps, make_layer_ops

@@ -12,19 +12,19 @@ import torch
 from policy_helpers import threshold_head
 from engine_helpers import hf_greedy, tiny_model
 from solve_helpers import synthetic_latency
+from ogspo.artifacts.records import load_records, request_seed
+from ogspo.artifacts.structure import write_structure
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import StaticTree
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
-from ogspo.methods.ogspo import OnnxPolicy, load_policy_dir
 from ogspo.learn.export import export_policy
-from ogspo.artifacts.structure import write_structure
-from ogspo.methods.registry import make_policy
-from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, N_FEATURES
 from ogspo.learn.policy import PolicyData, PolicyHead, evaluate_policy, offline_states, policy_depths, train_policy
+from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, N_FEATURES
+from ogspo.methods.ogspo import OnnxPolicy, load_policy_dir
+from ogspo.methods.registry import make_policy
 from ogspo.stages.records import collect_records
-from ogspo.artifacts.records import load_records, request_seed
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
 TEMPLATE = Structure.full([3, 2, 2])

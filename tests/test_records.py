@@ -9,15 +9,15 @@ import pytest
 
 from engine_helpers import tiny_model
 from ogspo.artifacts.latency import LatencyModel
-from ogspo.stages.calibrate import bushy_tree, calibrate_latency, write_calibration
+from ogspo.artifacts.records import load_records, summarize_records, template_index
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import StaticTree
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
-from ogspo.stages.records import collect_records
-from ogspo.artifacts.records import load_records, summarize_records, template_index
 from ogspo.offline.replay import ReplayCycles, accepted_lengths, cycle_times, replay, replay_cycles, structure_mask
+from ogspo.stages.calibrate import bushy_tree, calibrate_latency, write_calibration
+from ogspo.stages.records import collect_records
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
 TEMPLATE = Structure.full([3, 2, 2])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from ogspo.artifacts.oracle import write_oracle
+from ogspo.engine.tree import Structure
 from ogspo.offline import solve
 from ogspo.offline.milp import charnes_cooper, solve_parametric
-from ogspo.engine.tree import Structure
 
 from solve_helpers import synthetic_cycles, synthetic_latency
 

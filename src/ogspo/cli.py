@@ -19,13 +19,12 @@ from ogspo.artifacts.oracle import write_oracle
 from ogspo.artifacts.records import load_records, summarize_records
 from ogspo.engine.kernels import describe, read_kernel_table, write_kernel_table
 from ogspo.engine.tree import Structure
-from ogspo.methods.registry import DRAFTERS, METHODS, make_drafter, make_target
+from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_drafter, make_target
 from ogspo.offline.replay import replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_oracle
 from ogspo.stages.calibrate import calibrate_device_kernels, calibrate_latency, write_calibration
 from ogspo.stages.config import ConfigError, load_config
 from ogspo.stages.evaluate import (
-    ARTIFACT_KINDS,
     evaluate_methods,
     load_prompts,
     method_specs,
@@ -45,9 +44,9 @@ from ogspo.stages.report import write_report
 from ogspo.stages.rounds import run_rounds_stage
 from ogspo.stages.routing import run_train_routing
 from ogspo.stages.sequoia import build_sequoia
+from ogspo.stages.train_drafter import run_train_drafter
 from ogspo.stages.train_policy import run_train_policy
 from ogspo.stages.workloads import prepare_workloads
-from ogspo.stages.train_drafter import run_train_drafter
 
 
 @dataclass(frozen=True)

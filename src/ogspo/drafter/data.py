@@ -15,8 +15,8 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from ogspo.engine.target import TreeLM
 from ogspo.artifacts.prompts import read_fortunes
+from ogspo.engine.target import TreeLM
 
 CHAT_VARIANTS = {
     "humaneval": "Complete the following Python function and explain it briefly:\n\n{text}",

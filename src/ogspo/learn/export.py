@@ -22,13 +22,10 @@ from pathlib import Path
 
 
 from ogspo import __version__
-from ogspo.artifacts.policy_folder import POLICY_FILE
+from ogspo.artifacts.policy_folder import EXPORT_FILE, INPUT_NAME, OUTPUT_NAME, POLICY_FILE
 from ogspo.artifacts.structure import STRUCTURE_FILE, write_structure
 from ogspo.engine.tree import Structure
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION
-from ogspo.artifacts.policy_folder import EXPORT_FILE
-from ogspo.artifacts.policy_folder import INPUT_NAME
-from ogspo.artifacts.policy_folder import OUTPUT_NAME
 
 OPSET = 17
 

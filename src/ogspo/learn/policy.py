@@ -48,12 +48,8 @@ import torch
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, path_str
 from ogspo.engine.tree import DraftTree, Structure
+from ogspo.methods.features import EMA_ALPHA, FEATURE_NAMES, FEATURES_VERSION, N_FEATURES, state_features
 from ogspo.offline.replay import replay, replay_cycles
-from ogspo.methods.features import EMA_ALPHA
-from ogspo.methods.features import FEATURES_VERSION
-from ogspo.methods.features import FEATURE_NAMES
-from ogspo.methods.features import N_FEATURES
-from ogspo.methods.features import state_features
 
 
 DEFAULT_POLICY = {

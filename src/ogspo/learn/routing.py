@@ -42,14 +42,12 @@ import numpy as np
 
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
+from ogspo.artifacts.router import ROUTER_FEATURES, Router, template_name
 from ogspo.engine.tree import Structure
-from ogspo.offline.replay import replay, replay_cycles, structure_mask
-from ogspo.methods.features import EMA_ALPHA
 from ogspo.learn.policy import split_requests
-from ogspo.artifacts.router import ROUTER_FEATURES
-from ogspo.artifacts.router import Router
-from ogspo.artifacts.router import template_name
+from ogspo.methods.features import EMA_ALPHA
 from ogspo.methods.routing import router_features
+from ogspo.offline.replay import replay, replay_cycles, structure_mask
 
 
 DEFAULT_ROUTING = {

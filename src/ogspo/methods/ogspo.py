@@ -8,20 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from ogspo.artifacts.policy_folder import INPUT_NAME
-from ogspo.artifacts.policy_folder import POLICY_FILE
-from ogspo.artifacts.structure import STRUCTURE_FILE
-from ogspo.engine.policies import TreePolicy
+from ogspo.artifacts.policy_folder import INPUT_NAME, POLICY_FILE
+from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
+from ogspo.engine.policies import Autoregressive, StaticTree, TreePolicy
 from ogspo.engine.target import TreeLM
-from ogspo.engine.tree import Structure
-from ogspo.methods.features import state_features
-from ogspo.artifacts.structure import load_structure
-from ogspo.engine.policies import Autoregressive
-from ogspo.engine.policies import StaticTree
-from ogspo.engine.tree import DraftTree
-from ogspo.methods.features import FEATURES_VERSION
-from ogspo.methods.features import FEATURE_NAMES
-from ogspo.methods.features import RecentAccept
+from ogspo.engine.tree import DraftTree, Structure
+from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, RecentAccept, state_features
 
 
 class OnnxPolicy:

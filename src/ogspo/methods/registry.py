@@ -5,14 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from ogspo.artifacts.structure import load_structure
+from ogspo.drafter.runtime import EagleDrafter, load_head
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter, TreeDrafter
 from ogspo.engine.kernels import KernelTable
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
 from ogspo.methods.ogspo import make_ogspo
-from ogspo.drafter.runtime import EagleDrafter, load_head
 from ogspo.methods.routing import make_routing
 
+# Decode-time methods (`make_policy`, `ogspo generate --method`).
 METHODS = ("ar", "chain", "static", "eagle", "ogspo", "routing")
 DRAFTERS = ("eagle", "lookup", "early-exit")
 
@@ -73,3 +74,19 @@ def make_target(
     feature-fed drafter needs."""
     layers = tuple(getattr(drafter, "feature_layers", ()) or ())
     return build_tree_lm(hf_model, backend=backend, max_len=max_len, feature_layers=layers, kernels=kernels)
+
+
+# Method kinds of `evaluate.methods`; `chain` expands to one method per `evaluate.chains` entry.
+EVAL_METHODS = (
+    "ar", "chain", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy",
+)
+
+
+# Kinds that read an artifact; the path template holds `{T}` (the temperature tag, e.g. T0).
+ARTIFACT_KINDS = ("eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy")
+
+
+REFERENCE = "ar"
+
+
+TUNED = "eagle-tuned"

@@ -8,15 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from ogspo.artifacts.router import Router
-from ogspo.artifacts.router import load_router
-from ogspo.artifacts.router import template_name
-from ogspo.engine.policies import Draft
-from ogspo.engine.policies import StaticTree
-from ogspo.engine.policies import TreePolicy
+from ogspo.artifacts.router import Router, load_router, template_name
+from ogspo.engine.policies import Draft, StaticTree, TreePolicy
 from ogspo.engine.tree import DraftTree
-from ogspo.methods.features import EMA_ALPHA
-from ogspo.methods.features import RecentAccept
+from ogspo.methods.features import EMA_ALPHA, RecentAccept
 
 
 def router_features(*, context_length: float, recent_accept: float, last_commit: int, last_depth: int | None) -> np.ndarray:

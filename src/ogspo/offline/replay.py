@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ogspo.artifacts.latency import LatencyModel
-from ogspo.engine.tree import Structure
 from ogspo.artifacts.records import Records, template_index
+from ogspo.engine.tree import Structure
 
 
 @dataclass

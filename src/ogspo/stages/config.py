@@ -17,9 +17,9 @@ from typing import Any
 import jsonschema
 import yaml
 from ogspo.artifacts.prompts import find_package_dir
+from ogspo.methods.registry import EVAL_METHODS
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")  # package data (workflow/schemas/ links to it)
 
 
 class ConfigError(ValueError):
@@ -27,12 +27,19 @@ class ConfigError(ValueError):
 
 
 def load_schema(path: Path | None = None) -> dict:
-    """Read the config schema (``OGSPO_CONFIG_SCHEMA`` overrides the repository copy)."""
+    """Read the config schema (``OGSPO_CONFIG_SCHEMA`` overrides the packaged copy). The method kinds
+    of `evaluate.methods` come from the method registry, not from a second list in the file."""
     path = Path(path or os.environ.get("OGSPO_CONFIG_SCHEMA", SCHEMA_PATH))
     if not path.is_file():
         raise ConfigError(f"config error at '<schema>': schema file {path} does not exist")
     with path.open() as fh:
-        return yaml.safe_load(fh)
+        schema = yaml.safe_load(fh)
+    methods = schema.get("properties", {}).get("evaluate", {}).get("properties", {}).get("methods")
+    if methods is not None:
+        methods["items"] = {"enum": list(EVAL_METHODS)}
+        methods["x-error"] = ("must be a list of distinct methods that includes ar (the reference); allowed: "
+                              + ", ".join(EVAL_METHODS))
+    return schema
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:

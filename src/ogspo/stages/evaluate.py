@@ -31,16 +31,7 @@ from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
-from ogspo.methods.registry import make_policy
-
-# Method kinds of `evaluate.methods`; `chain` expands to one method per `evaluate.chains` entry.
-EVAL_METHODS = (
-    "ar", "chain", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy",
-)
-# Kinds that read an artifact; the path template holds `{T}` (the temperature tag, e.g. T0).
-ARTIFACT_KINDS = ("eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy")
-REFERENCE = "ar"
-TUNED = "eagle-tuned"
+from ogspo.methods.registry import EVAL_METHODS, REFERENCE, TUNED, make_policy
 
 
 class LosslessError(ValueError):

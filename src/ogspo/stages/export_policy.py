@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from ogspo.artifacts.structure import load_structure
-from ogspo.artifacts.structure import STRUCTURE_FILE
+from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.tree import Structure
-from ogspo.learn.export import write_policy_folder
+from ogspo.learn.export import ExportResult, write_policy_folder
 from ogspo.learn.policy import HEAD_FILE, load_head
-from ogspo.learn.export import ExportResult
 
 
 @dataclass

@@ -21,8 +21,9 @@ import polars as pl
 
 from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
 from ogspo.artifacts.structure import load_structure
+from ogspo.methods.registry import REFERENCE, TUNED
 from ogspo.stages.calibrate import plot_calibration
-from ogspo.stages.evaluate import REFERENCE, TUNED, json_safe, summarize_requests, temperature_tag
+from ogspo.stages.evaluate import json_safe, summarize_requests, temperature_tag
 
 REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
                    "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",

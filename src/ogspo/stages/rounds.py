@@ -9,21 +9,14 @@ from dataclasses import asdict
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import load_records
-from ogspo.artifacts.structure import write_structure
+from ogspo.artifacts.structure import STRUCTURE_FILE, write_structure
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.target import TreeLM
-from ogspo.learn.policy import HEAD_FILE
-from ogspo.learn.policy import save_head
-from ogspo.learn.rounds import RoundRow
-from ogspo.learn.rounds import RoundsResult
-from ogspo.learn.rounds import SameTraceSetup
-from ogspo.learn.rounds import rounds_settings
-from ogspo.learn.rounds import run_rounds
-from ogspo.learn.rounds import sample_requests
+from ogspo.learn.policy import HEAD_FILE, save_head
+from ogspo.learn.rounds import RoundRow, RoundsResult, SameTraceSetup, rounds_settings, run_rounds, sample_requests
 import math
 import os
 import polars as pl
-from ogspo.artifacts.structure import STRUCTURE_FILE
 
 
 def _write_text(path: Path, text: str) -> None:

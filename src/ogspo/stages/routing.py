@@ -7,19 +7,23 @@ from pathlib import Path
 from dataclasses import asdict
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import load_records
-from ogspo.artifacts.router import ROUTER_FEATURES
-from ogspo.artifacts.router import ROUTER_FEATURES_VERSION
-from ogspo.artifacts.router import ROUTER_FILE
-from ogspo.artifacts.router import template_name
-from ogspo.artifacts.router import write_router
-from ogspo.learn.routing import RoutingTrainResult
-from ogspo.learn.routing import check_templates
-from ogspo.learn.routing import combine_routing
-from ogspo.learn.routing import routing_data
-from ogspo.learn.routing import routing_settings
-from ogspo.learn.routing import train_router
+from ogspo.artifacts.router import (
+    REPORT_FILE,
+    ROUTER_FEATURES,
+    ROUTER_FEATURES_VERSION,
+    ROUTER_FILE,
+    template_name,
+    write_router,
+)
+from ogspo.learn.routing import (
+    RoutingTrainResult,
+    check_templates,
+    combine_routing,
+    routing_data,
+    routing_settings,
+    train_router,
+)
 import os
-from ogspo.artifacts.router import REPORT_FILE
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from dataclasses import asdict
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import load_records
 from ogspo.learn.export import write_policy_folder
-from ogspo.learn.policy import train_policy
-from ogspo.methods.features import FEATURE_NAMES
-from ogspo.learn.policy import PolicyTrainResult
-from ogspo.learn.policy import combine_data
-from ogspo.learn.policy import offline_states
-from ogspo.methods.features import FEATURES_VERSION
+from ogspo.learn.policy import PolicyTrainResult, combine_data, offline_states, train_policy
+from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION
 import os
 import time
 

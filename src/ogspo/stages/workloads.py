@@ -21,11 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
-from ogspo.artifacts.prompts import RawPrompt
-from ogspo.artifacts.prompts import WORKLOADS
-from ogspo.artifacts.prompts import read_fortunes
-from ogspo.artifacts.prompts import read_humaneval
-from ogspo.artifacts.prompts import read_mtbench
+from ogspo.artifacts.prompts import WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_mtbench
 
 
 
