@@ -1,4 +1,4 @@
-"""Export of the OGSPO policy head to ONNX, and the runtime stop hook that runs it with onnxruntime.
+"""Export of the OGSPO policy head to ONNX and a policy folder (run at decode time by `methods.ogspo`).
 
 The ONNX graph has one input ``features`` [batch, F] float32 (order = the metadata's feature names)
 and one output ``advantage`` [batch] (stop when <= 0). Metadata props (all strings):
@@ -19,7 +19,6 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
 
 from ogspo import __version__
 from ogspo.artifacts.policy_folder import EXPORT_FILE, INPUT_NAME, OUTPUT_NAME, POLICY_FILE

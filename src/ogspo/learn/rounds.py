@@ -1,4 +1,4 @@
-"""Stage `ogspo_rounds`: alternating OGSPO rounds with same-trace correction (docs/DESIGN.md §5).
+"""Alternating OGSPO rounds with same-trace correction (docs/DESIGN.md §5; stage: `stages.rounds`).
 
 Start from the oracle's structure S_0 (`solve/oracle_T{t}.json`). Round r:
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from ogspo.artifacts.policy_folder import INPUT_NAME, POLICY_FILE
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.policies import Autoregressive, StaticTree, TreePolicy

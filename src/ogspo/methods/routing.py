@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from ogspo.artifacts.router import Router, load_router, template_name
 from ogspo.engine.policies import Draft, StaticTree, TreePolicy
 from ogspo.engine.tree import DraftTree

@@ -16,6 +16,7 @@ from typing import Any
 
 import jsonschema
 import yaml
+
 from ogspo.artifacts.prompts import find_package_dir
 from ogspo.methods.registry import EVAL_METHODS
 

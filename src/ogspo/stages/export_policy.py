@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.tree import Structure
 from ogspo.learn.export import ExportResult, write_policy_folder

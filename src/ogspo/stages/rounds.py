@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from collections.abc import Callable
 from dataclasses import asdict
+
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import load_records

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from dataclasses import asdict
+
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import load_records
 from ogspo.artifacts.router import (

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
 from ogspo.artifacts.prompts import WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_mtbench
 
 
