@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -206,9 +207,7 @@ def test_bad_method_config_gives_one_clear_line():
 def _default_config() -> dict:
     import yaml
 
-    from ogspo.stages.config import REPO_ROOT
-
-    return yaml.safe_load((REPO_ROOT / "config" / "default.yaml").read_text())
+    return yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "default.yaml").read_text())
 
 
 def _evaluate_config(**over):

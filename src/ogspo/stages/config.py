@@ -35,11 +35,12 @@ def load_schema(path: Path | None = None) -> dict:
         raise ConfigError(f"config error at '<schema>': schema file {path} does not exist")
     with path.open() as fh:
         schema = yaml.safe_load(fh)
-    methods = schema.get("properties", {}).get("evaluate", {}).get("properties", {}).get("methods")
-    if methods is not None:
-        methods["items"] = {"enum": list(EVAL_METHODS)}
-        methods["x-error"] = ("must be a list of distinct methods that includes ar (the reference); allowed: "
-                              + ", ".join(EVAL_METHODS))
+    evaluate = schema["properties"]["evaluate"]
+    if "$ref" in evaluate:  # "#/$defs/<name>"
+        evaluate = schema["$defs"][evaluate["$ref"].rsplit("/", 1)[-1]]
+    methods = evaluate["properties"]["methods"]
+    methods["items"] = {"enum": list(EVAL_METHODS)}
+    methods["x-error"] = "must be a list of distinct methods that includes ar (the reference); allowed: " + ", ".join(EVAL_METHODS)
     return schema
 
 
