@@ -29,7 +29,7 @@ class Draft:
 
 
 class TreePolicy(ABC):
-    name = "policy"
+    name = "policy"  # set by each policy's constructor (a method label in outputs)
     max_depth = 0
     max_nodes = 1  # most nodes (root included) one verification can hold
 
@@ -38,7 +38,8 @@ class TreePolicy(ABC):
 
 
 class Autoregressive(TreePolicy):
-    name = "ar"
+    def __init__(self, name: str = "ar"):
+        self.name = name
 
     def draft(self, drafter, root, *, stop_hook=None) -> Draft:
         return Draft(drafted=DraftTree.from_root(root), verified=np.zeros(1, dtype=np.int64))
@@ -98,12 +99,12 @@ class DynamicTree(TreePolicy):
     new nodes by cumulative log-prob as the next frontier, then rerank every drafted node by
     cumulative log-prob and verify the best `total_tokens` (depth = number of drafted levels)."""
 
-    def __init__(self, *, total_tokens: int = 60, depth: int = 5, top_k: int = 10):
+    def __init__(self, *, total_tokens: int = 60, depth: int = 5, top_k: int = 10, name: str | None = None):
         if total_tokens < 1 or depth < 1 or top_k < 1:
             raise ValueError(f"dynamic tree needs positive total_tokens/depth/top_k, got {total_tokens}/{depth}/{top_k}")
         self.total_tokens, self.max_depth, self.top_k = total_tokens, depth, top_k
         self.max_nodes = total_tokens + 1
-        self.name = f"eagle{total_tokens}-{depth}-{top_k}"
+        self.name = name or f"eagle{total_tokens}-{depth}-{top_k}"
 
     def draft(self, drafter, root, *, stop_hook=None) -> Draft:
         tree = DraftTree.from_root(root)

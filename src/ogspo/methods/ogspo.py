@@ -124,8 +124,8 @@ class OgspoTree(StaticTree):
     the stop hook evaluated after every level. `bind(target)` before decoding (the hook reads the
     committed context length from the target's cache)."""
 
-    def __init__(self, structure: Structure, hook):
-        super().__init__(structure, name="ogspo")
+    def __init__(self, structure: Structure, hook, name: str = "ogspo"):
+        super().__init__(structure, name=name)
         self.hook = hook
 
     def bind(self, target: TreeLM) -> "OgspoTree":
@@ -136,7 +136,8 @@ class OgspoTree(StaticTree):
         return super().draft(drafter, root, stop_hook=stop_hook if stop_hook is not None else self.hook)
 
 
-def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu") -> TreePolicy:
+def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu",
+               name: str = "ogspo") -> TreePolicy:
     """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
     folder's structure.json (it must equal the structure the policy was trained for)."""
     if policy_path is None:
@@ -144,11 +145,9 @@ def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list |
 
     S, hook = load_policy_dir(Path(policy_path), device=device)
     if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
-        ar = Autoregressive()
-        ar.name = "ogspo"
-        return ar
+        return Autoregressive(name=name)
     if structure is not None:
         given = load_structure(structure)
         if given.paths != S.paths:
             raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
-    return OgspoTree(S, hook)
+    return OgspoTree(S, hook, name=name)

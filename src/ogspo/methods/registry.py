@@ -29,9 +29,11 @@ def make_policy(
     policy_path: str | Path | None = None,
     policy_device: str = "cpu",
     router_path: str | Path | None = None,
+    name: str | None = None,
 ) -> TreePolicy:
+    """The tree policy of a decode-time method; `name` labels it in outputs (default: the method's own)."""
     if method == "ar":
-        return Autoregressive()
+        return Autoregressive(name=name or "ar")
     if method == "chain":
         if k < 1:
             raise ValueError(f"chain needs k >= 1, got {k}")
@@ -39,13 +41,13 @@ def make_policy(
     if method == "static":
         if structure is None:
             raise ValueError("method 'static' needs a structure (a JSON list of rank paths or a JSON file)")
-        return StaticTree(load_structure(structure))
+        return StaticTree(load_structure(structure), name=name or "static")
     if method == "eagle":
-        return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k)
+        return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k, name=name)
     if method == "ogspo":
-        return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device)
+        return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device, name=name or "ogspo")
     if method == "routing":  # pre-drafting routing baseline: a template per cycle, chosen before drafting
-        return make_routing(router_path)
+        return make_routing(router_path, name=name or "routing")
     raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")
 
 

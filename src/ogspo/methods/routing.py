@@ -56,9 +56,8 @@ class RoutedTree(TreePolicy):
     """Per cycle: features before drafting -> router -> draft that template fully (nothing for `[]`).
     `bind(target)` before decoding (the features read the committed context length from the target's cache)."""
 
-    name = "routing"
-
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, name: str = "routing"):
+        self.name = name
         self.router = router
         self.trees = [StaticTree(S, name=template_name(S)) if len(S) else None for S in router.templates]
         self.max_depth = max(S.max_depth for S in router.templates)
@@ -93,7 +92,7 @@ class RoutedTree(TreePolicy):
         return draft
 
 
-def make_routing(router_path: str | Path | None) -> RoutedTree:
+def make_routing(router_path: str | Path | None, name: str = "routing") -> RoutedTree:
     if router_path is None:
         raise ValueError("method 'routing' needs a router (--router PATH: router.json or its folder)")
-    return RoutedTree(load_router(router_path))
+    return RoutedTree(load_router(router_path), name=name)

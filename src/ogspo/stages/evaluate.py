@@ -94,9 +94,7 @@ def _structure_or_ar(path: Path, name: str) -> TreePolicy:
         raise FileNotFoundError(f"method '{name}': structure file {path} does not exist")
     structure = load_structure(path)
     if len(structure) == 0:  # the solver found drafting not worth it: decode autoregressively
-        ar = Autoregressive()
-        ar.name = name
-        return ar
+        return Autoregressive(name=name)
     return StaticTree(structure, name=name)
 
 
@@ -124,9 +122,7 @@ def build_policy(
         return chain(spec.k)
     if spec.kind == "eagle-default":
         total, depth, top_k = spec.tree
-        p = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
-        p.name = spec.name
-        return p
+        return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
     if spec.kind not in artifacts:
         raise ValueError(f"method '{spec.name}' needs its artifact path (--artifact {spec.kind}=PATH with {{T}})")
     path = Path(artifacts[spec.kind].format(T=temperature_tag(temperature)))
@@ -135,17 +131,14 @@ def build_policy(
         if workload not in winners:
             raise ValueError(f"{path} has no tuned EAGLE-3 tree for workload '{workload}' (has {', '.join(sorted(winners))})")
         total, depth, top_k = winners[workload]
-        p = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
-    elif spec.kind in ("sequoia", "ogspo-structure"):
-        p = _structure_or_ar(path, spec.name)
-    elif spec.kind in ("ogspo", "ogspo-policy"):
-        p = make_policy("ogspo", policy_path=path, policy_device=policy_device)
-    elif spec.kind == "routing":
-        p = make_policy("routing", router_path=path)
-    else:  # pragma: no cover - method_specs validates kinds
-        raise ValueError(f"unknown method kind '{spec.kind}'")
-    p.name = spec.name
-    return p
+        return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
+    if spec.kind in ("sequoia", "ogspo-structure"):
+        return _structure_or_ar(path, spec.name)
+    if spec.kind in ("ogspo", "ogspo-policy"):
+        return make_policy("ogspo", policy_path=path, policy_device=policy_device, name=spec.name)
+    if spec.kind == "routing":
+        return make_policy("routing", router_path=path, name=spec.name)
+    raise ValueError(f"unknown method kind '{spec.kind}'")  # pragma: no cover - method_specs validates kinds
 
 
 # ---------------------------------------------------------------- one request
