@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import write_oracle
 from ogspo.artifacts.records import load_records, summarize_records
@@ -314,7 +315,6 @@ def _add_summarize_records(p: argparse.ArgumentParser) -> None:
 
 def _run_summarize_records(args: argparse.Namespace) -> int:
     import json
-    import os
     from dataclasses import asdict
 
 
@@ -327,10 +327,7 @@ def _run_summarize_records(args: argparse.Namespace) -> int:
         out[name] = asdict(s)
         md.append(s.to_markdown(name))
     for path, text in ((args.out_json, json.dumps(out, indent=1) + "\n"), (args.out_md, "\n".join(md))):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text(path, text)
     print(f"summarised {len(args.records)} records folders -> {args.out_json}, {args.out_md}")
     return 0
 

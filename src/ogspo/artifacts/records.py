@@ -11,7 +11,6 @@ when its cycles file exists and both files agree.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from ogspo.artifacts.io import atomic_write
 from ogspo.engine.tree import Structure
 
 
@@ -113,9 +113,7 @@ def shard_complete(out_dir: Path, i: int, meta: dict) -> bool:
 
 
 def write_shard_table(df: pl.DataFrame, path: Path, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
 def load_records(

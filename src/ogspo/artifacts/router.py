@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ogspo import __version__
+from ogspo.artifacts.io import write_text
 from ogspo.engine.tree import Structure
-import os
 
 
 ROUTER_FORMAT = "ogspo-router"
@@ -70,11 +70,7 @@ def template_name(S: Structure) -> str:
 
 
 def write_router(router: Router, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(router.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(router.to_json(), indent=1) + "\n")
 
 
 def load_router(path: str | Path) -> Router:

@@ -29,6 +29,7 @@ from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generat
 from .head import EagleHead, HeadConfig
 from .runtime import META, WEIGHTS
 
+from ogspo.artifacts.io import atomic_write
 from ogspo.engine.target import build_tree_lm
 
 DEFAULTS = dict(
@@ -73,9 +74,7 @@ def _hash(obj) -> str:
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict, head_cfg: HeadConfig,

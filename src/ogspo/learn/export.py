@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ogspo import __version__
+from ogspo.artifacts.io import write_text
 from ogspo.artifacts.policy_folder import EXPORT_FILE, INPUT_NAME, OUTPUT_NAME, POLICY_FILE
 from ogspo.artifacts.structure import STRUCTURE_FILE, write_structure
 from ogspo.engine.tree import Structure
@@ -100,7 +101,5 @@ def write_policy_folder(*, head, structure: Structure, lam: float | None, out_di
         "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
         "onnx_bytes": exp.bytes if exp else 0, "export_seconds": exp.seconds if exp else 0.0,
     }
-    tmp = out_dir / f".{EXPORT_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, out_dir / EXPORT_FILE)
+    write_text(out_dir / EXPORT_FILE, json.dumps(report, indent=1) + "\n")
     return exp

@@ -37,7 +37,6 @@ Decision rule: stop when the predicted advantage <= 0 (depth D always stops).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ogspo.artifacts.io import atomic_write
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, path_str
 from ogspo.engine.tree import DraftTree, Structure
@@ -392,9 +392,7 @@ def save_head(*, head: PolicyHead, structure: Structure, lam: float, path: Path,
             "structure": structure.to_list(), "lambda": float(lam), **(meta or {}),
         },
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(blob, tmp))
 
 
 def load_head(path: Path) -> tuple[PolicyHead, dict]:

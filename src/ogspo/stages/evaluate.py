@@ -16,7 +16,6 @@ on `train` prompts, per workload, at one temperature; the winner (median through
 from __future__ import annotations
 
 import json
-import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from ogspo.artifacts.io import atomic_write, write_json
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
@@ -589,50 +589,23 @@ def oracle_throughputs(paths: Mapping[str, Path]) -> dict[str, float]:
     return out
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _json_default(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
-
-
-def json_safe(x):
-    """NaN -> None, recursively (strict JSON)."""
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [json_safe(v) for v in x]
-    return x
-
-
 def write_evaluation(result: EvaluateResult, *, requests_path: Path, summary_path: Path) -> None:
     """requests.parquet (one row per request) and summary.json. Evaluation stops at the first real
     lossless mismatch, so a written evaluation has none; its near-ties are listed."""
     frame = result.frame()
-    _atomic_write(requests_path, lambda p: frame.write_parquet(p))
-    doc = json_safe({
+    atomic_write(requests_path, frame.write_parquet)
+    write_json(summary_path, {
         "rows": result.summary,
         "lossless": {"checked": result.checked, "mismatches": 0,
                      "near_ties": [asdict(t) for t in result.near_ties]},
         "oracle": result.oracle, "eagle_tuned": result.tuned, "settings": result.settings, "seconds": result.seconds,
     })
-    _atomic_write(summary_path, lambda p: p.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n"))
 
 
 def write_tuning(result: TuneResult, path: Path) -> None:
-    doc = json_safe({"temperature": result.temperature, "winners": result.winners,
-                  "grid": [asdict(p) for p in result.points], "max_new_tokens": result.max_new_tokens,
-                  "prompts": result.prompts, "seconds": result.seconds})
-    _atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=1) + "\n"))
+    write_json(path, {"temperature": result.temperature, "winners": result.winners,
+                      "grid": [asdict(p) for p in result.points], "max_new_tokens": result.max_new_tokens,
+                      "prompts": result.prompts, "seconds": result.seconds})
 
 
 def render_summary(rows: list[dict]) -> str:

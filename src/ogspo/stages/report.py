@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from ogspo.artifacts.io import json_safe, write_text
 from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
 from ogspo.artifacts.structure import load_structure
 from ogspo.methods.registry import REFERENCE, TUNED
 from ogspo.stages.calibrate import plot_calibration
-from ogspo.stages.evaluate import json_safe, summarize_requests, temperature_tag
+from ogspo.stages.evaluate import summarize_requests, temperature_tag
 
 REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
                    "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",
@@ -400,8 +401,5 @@ def write_report(
     md_path = out_dir / "report.md"
     md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned)
     for path, text in ((summary_path, json.dumps(doc, indent=1) + "\n"), (md_path, md)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text(path, text)
     return ReportResult(summary_path=summary_path, markdown_path=md_path, plots=plots, missing=missing, ratios=ratios)

@@ -18,18 +18,7 @@ from ogspo.learn.rounds import RoundRow, RoundsResult, SameTraceSetup, rounds_se
 import math
 import os
 import polars as pl
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _write_parquet(df: pl.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    df.write_parquet(tmp)
-    os.replace(tmp, path)
+from ogspo.artifacts.io import atomic_write, write_text
 
 
 ROUND_SCHEMA = {
@@ -80,8 +69,8 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = pl.DataFrame([asdict(r) for r in result.rows] or None, schema=ROUND_SCHEMA)
-    _write_parquet(rows, out_dir / "rounds.parquet")
-    _write_parquet(result.same_trace, out_dir / "same_trace.parquet")
+    atomic_write(out_dir / "rounds.parquet", rows.write_parquet)
+    atomic_write(out_dir / "same_trace.parquet", result.same_trace.write_parquet)
     plot_rounds(result, out_dir / "rounds.png")
     head_path = out_dir / HEAD_FILE
     if result.head is not None:
@@ -96,7 +85,7 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
         "oracle_throughput": result.oracle_throughput, "rounds": [asdict(r) for r in result.rows],
         "structures": result.structures, "settings": result.settings, "seed": seed, "records": records_dirs,
     }
-    _write_text(out_dir / "rounds.json", json.dumps(_finite(report), indent=1) + "\n")
+    write_text(out_dir / "rounds.json", json.dumps(_finite(report), indent=1) + "\n")
 
 
 def _finite(obj):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from dataclasses import asdict
 
+from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import load_records
 from ogspo.artifacts.router import (
@@ -24,13 +25,6 @@ from ogspo.learn.routing import (
     routing_settings,
     train_router,
 )
-import os
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_train_routing(*, records_dirs: list[Path], latency_path: Path, config: dict | None, seed: int,
@@ -61,5 +55,5 @@ def run_train_routing(*, records_dirs: list[Path], latency_path: Path, config: d
         "train_seconds": result.seconds, "settings": result.settings, "seed": seed,
         "records": [str(d) for d in records_dirs],
     }
-    _write_text(out_dir / REPORT_FILE, json.dumps(report, indent=1) + "\n")
+    write_text(out_dir / REPORT_FILE, json.dumps(report, indent=1) + "\n")
     return result

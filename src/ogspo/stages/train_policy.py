@@ -12,8 +12,8 @@ from ogspo.artifacts.records import load_records
 from ogspo.learn.export import write_policy_folder
 from ogspo.learn.policy import PolicyTrainResult, combine_data, offline_states, train_policy
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION
-import os
 import time
+from ogspo.artifacts.io import write_text
 
 
 @dataclass
@@ -23,12 +23,6 @@ class PolicyStageResult:
     oracle_throughput: float | None
     export_seconds: float
     features_seconds: float
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_train_policy(
@@ -50,8 +44,8 @@ def run_train_policy(
                   "autoregressive decoding on these records, so the ogspo method decodes autoregressively")
         write_policy_folder(head=None, structure=S, lam=None, out_dir=out_dir, info={"oracle": str(oracle_path), "seed": seed})
         report = {"autoregressive": True, "reason": reason, "oracle_throughput": oracle_J}
-        _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
-        _write_text(out_dir / "train.md", f"No policy trained: {reason}.\n")
+        write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
+        write_text(out_dir / "train.md", f"No policy trained: {reason}.\n")
         return PolicyStageResult(out_dir=out_dir, train=None, oracle_throughput=oracle_J,
                                  export_seconds=0.0, features_seconds=0.0)
     latency = LatencyModel.from_json(latency_path)
@@ -77,11 +71,11 @@ def run_train_policy(
         "train_seconds": result.seconds, "features_seconds": t_feat, "export_seconds": exp.seconds,
         "settings": result.settings, "seed": seed, "records": [str(d) for d in records_dirs],
     }
-    _write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
+    write_text(out_dir / "train.json", json.dumps(report, indent=1) + "\n")
     md = [f"### OGSPO policy (|S| = {len(S)}, depth {S.max_depth}, lambda {result.lam:.3f}, structure: {source})", "",
           result.train.to_markdown("train records")]
     if result.holdout is not None:
         md.append(result.holdout.to_markdown("held-out requests"))
-    _write_text(out_dir / "train.md", "\n".join(md))
+    write_text(out_dir / "train.md", "\n".join(md))
     return PolicyStageResult(out_dir=out_dir, train=result, oracle_throughput=oracle_J, export_seconds=exp.seconds,
                              features_seconds=t_feat)

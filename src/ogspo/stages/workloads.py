@@ -14,7 +14,6 @@ exactly those tokens. ``split`` is a fixed, seeded train/eval split.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ogspo.artifacts.io import atomic_write
 from ogspo.artifacts.prompts import WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_mtbench
 
 
@@ -137,17 +137,6 @@ def build_table(name: str, prompts: Sequence[RawPrompt], *, wcfg: Mapping, seed:
     return frame, dropped
 
 
-def write_parquet_atomic(frame, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        frame.write_parquet(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def prepare_workloads(*, config: Mapping, tokenizer, out_dir: Path) -> WorkloadsResult:
     """Build every workload named in ``config['workloads']`` into ``out_dir/{name}.parquet``."""
     out_dir = Path(out_dir)
@@ -157,7 +146,7 @@ def prepare_workloads(*, config: Mapping, tokenizer, out_dir: Path) -> Workloads
         prompts = select_prompts(read_workload(name, wcfg), max_prompts=wcfg["max_prompts"], seed=seed, name=name)
         frame, dropped = build_table(name, prompts, wcfg=wcfg, seed=seed, tokenizer=tokenizer)
         path = out_dir / f"{name}.parquet"
-        write_parquet_atomic(frame, path)
+        atomic_write(path, frame.write_parquet)
         n_eval, n_calib = (int((frame["split"] == s).sum()) for s in ("eval", "calib"))
         tables.append(
             WorkloadTable(name, path, frame.height - n_eval - n_calib, n_calib, n_eval, dropped, int(frame["n_tokens"].max()))
