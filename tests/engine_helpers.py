@@ -6,6 +6,12 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.policies import DynamicTree, StaticTree, chain
+from ogspo.engine.target import LlamaTreeLM
+from ogspo.engine.tree import Structure
+
 
 def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -32,3 +38,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
+
+
+def assert_tree_policies_equal_greedy(target, target_model, draft_model) -> None:
+    """A chain, a static tree and an EAGLE-3 dynamic tree over `target` (drafted by `draft_model`)
+    each equal transformers' greedy decoding of `target_model` on two prompts, token for token."""
+    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
+    for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
+        ref = hf_greedy(target_model, prompt, 30)
+        for policy in policies:
+            engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
+            assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name

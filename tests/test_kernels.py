@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_helpers import hf_greedy, tiny_model
+from engine_helpers import assert_tree_policies_equal_greedy, hf_greedy, tiny_model
 from ogspo.engine import kernels as K, native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
-from ogspo.engine.policies import DynamicTree, StaticTree, chain
+from ogspo.engine.policies import chain
 from ogspo.engine.target import LlamaTreeLM
-from ogspo.engine.tree import Structure
 
 needs_native = pytest.mark.skipif(native.load() is None, reason=f"native kernel not built here: {native.unavailable_reason()}")
 ALL = K.BASE_KERNELS + K.native_kernels(2)
@@ -142,12 +141,7 @@ def test_every_policy_is_lossless_with_a_mixed_kernel_table():
     choice = {c: [have[(i + j) % len(have)] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
     pad_to = {c: [rows[min(j + (j % 2), len(rows) - 1)] for j in range(len(rows))] for c in K.CLASSES}
     target = LlamaTreeLM(target_model, max_len=256, kernels=_table(choice, rows, pad_to, shapes))
-    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
-    for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
-        ref = hf_greedy(target_model, prompt, 30)
-        for policy in policies:
-            engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
-            assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
+    assert_tree_policies_equal_greedy(target, target_model, draft_model)
     selfdraft = SpeculativeEngine(target=target, policy=chain(4), drafter=LMDrafter(LlamaTreeLM(target_model, max_len=256)))
     res = selfdraft.generate([3, 7, 11], max_new_tokens=30)
     assert res.tokens == hf_greedy(target_model, [3, 7, 11], 30) and res.tau > 1.5  # trees really were verified

@@ -7,14 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, tiny_model
+from engine_helpers import assert_tree_policies_equal_greedy, tiny_model
 from ogspo.engine import kernels as K, native
-from ogspo.engine.decode import SpeculativeEngine
-from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.layer_ops import Step, TorchLayerOps, make_layer_ops
-from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import LlamaTreeLM
-from ogspo.engine.tree import Structure
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernel not built here: {native.unavailable_reason()}")
 H, KV, HD, DIM, INTER, MAX_LEN = 6, 2, 32, 96, 80, 128
@@ -125,12 +121,7 @@ def test_a_target_switching_layer_ops_by_row_count_is_lossless():
                           pad_to={c: list(rows) for c in choice})
     target = LlamaTreeLM(target_model, max_len=256, kernels=table)
     assert target.layer_ops(1).name == "native2" and target.layer_ops(5).name == "torch" and target.layer_ops(40).name == "native2"  # past the table: its last entry
-    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
-    for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
-        ref = hf_greedy(target_model, prompt, 30)
-        for policy in policies:
-            engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
-            assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
+    assert_tree_policies_equal_greedy(target, target_model, draft_model)
 
 
 def test_calibration_times_the_layer_ops_for_tree_sizes_only():

@@ -189,7 +189,8 @@ class LlamaTreeLM(TreeLM):
         self.max_len = max_len
         self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
         self._ops_torch = TorchLayerOps(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
-        self._ops = {TORCH: self._ops_torch}
+        self._ops = {TORCH: self._ops_torch}  # implementation name -> instance
+        self._ops_by_rows: dict[int, object] = {}  # row count -> instance
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -203,11 +204,16 @@ class LlamaTreeLM(TreeLM):
         )
 
     def layer_ops(self, m: int):
-        """The layer-ops implementation the kernel table picked for single-sequence forwards of m rows."""
-        name = TORCH if self.kernels is None or self.device.type != "cpu" else self.kernels.layer_ops(m)
-        ops = self._ops.get(name)
+        """The layer-ops implementation the kernel table picked for single-sequence forwards of m rows
+        (looked up once per row count, like `Matmul.plan`)."""
+        ops = self._ops_by_rows.get(m)
         if ops is None:
-            ops = self._ops[name] = make_layer_ops(name, n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
+            name = TORCH if self.kernels is None or self.device.type != "cpu" else self.kernels.layer_ops(m)
+            ops = self._ops.get(name)
+            if ops is None:
+                ops = self._ops[name] = make_layer_ops(name, n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                                       eps=self.eps)
+            self._ops_by_rows[m] = ops
         return ops
 
     def _layers(self, x, step: Step, keys, values, ops):
