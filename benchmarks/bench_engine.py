@@ -150,6 +150,7 @@ def bench_verify(model, targets: dict, sizes: list[int], context: int, reps: int
 
 def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
     from ogspo.engine.decode import SpeculativeEngine
+    from ogspo.engine.drafters import LMDrafter
     from ogspo.methods.registry import make_drafter, make_policy
 
     timed_forwards(target)
@@ -165,7 +166,7 @@ def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
         drafter = None
         if dname:
             drafter = make_drafter(dname, target_model=model, max_len=1024, kernels=table)
-            if hasattr(drafter, "lm"):
+            if isinstance(drafter, LMDrafter):
                 timed_forwards(drafter.lm)
         engines.append((label, SpeculativeEngine(target=target, policy=make_policy(method, **args), drafter=drafter, eos_token_id=tok.eos_token_id), drafter))
     rows: dict[str, dict[str, list[float]]] = {label: {"tps": [], "tau": [], "outside": []} for label, *_ in engines}
@@ -174,10 +175,10 @@ def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
             ids = tok(p).input_ids
             for label, engine, drafter in engines:
                 target.forward_seconds = 0.0
-                if drafter is not None and hasattr(drafter, "lm"):
+                if isinstance(drafter, LMDrafter):
                     drafter.lm.forward_seconds = 0.0
                 res = engine.generate(ids, max_new_tokens=n_tokens)
-                fwd = target.forward_seconds + (drafter.lm.forward_seconds if drafter is not None and hasattr(drafter, "lm") else 0.0)
+                fwd = target.forward_seconds + (drafter.lm.forward_seconds if isinstance(drafter, LMDrafter) else 0.0)
                 cycle_s = sum(c.cycle_seconds for c in res.cycles)
                 pre_fwd = res.prefill_seconds  # prefill is all forward
                 rows[label]["tps"].append(res.throughput)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchdoc import cpu_model, stats, write_section  # noqa: E402
 
+from ogspo.engine.policies import CycleContext  # noqa: E402
 from ogspo.engine.tree import DraftTree, Structure  # noqa: E402
 from ogspo.learn.export import export_policy
 from ogspo.learn.policy import DEFAULT_POLICY, PolicyHead
@@ -69,7 +70,8 @@ def main() -> None:
     head = PolicyHead(N_FEATURES, DEFAULT_POLICY["hidden"]).eval()
     with tempfile.TemporaryDirectory() as tmp:
         export_policy(head=head, path=Path(tmp) / "policy.onnx", structure=S, lam=1.0)
-        pol = OnnxPolicy(Path(tmp) / "policy.onnx").bind(context_length=lambda: 300)
+        pol = OnnxPolicy(Path(tmp) / "policy.onnx")
+        ctx = CycleContext(context_length=300, request_seed=0, index=2, prompt_length=200)
         level = S.max_depth // 2
         f = state_features(tree, level, context_length=300, recent_accept=2.0)
         x = torch.from_numpy(f[None])
@@ -79,7 +81,7 @@ def main() -> None:
         rows["ONNX head (1 state)"] = per_call_us(lambda: pol.decide(f), args.calls)
         rows[f"features at level {level} ({len(tree) - 1}-node tree)"] = per_call_us(
             lambda: state_features(tree, level, context_length=300, recent_accept=2.0), args.calls)
-        rows["whole hook (features + ONNX)"] = per_call_us(lambda: pol(tree, level), args.calls)
+        rows["whole hook (features + ONNX)"] = per_call_us(lambda: pol(tree, level, ctx), args.calls)
     hook = stats(rows["whole hook (features + ONNX)"])[0]
     per_cycle = hook * (S.max_depth - 1)  # at most one call per drafted level but the last
     lines = [

@@ -82,7 +82,7 @@ def test_stop_hook_truncates_drafting():
     model = tiny_model(0)
     calls = []
 
-    def stop_after_two(tree, level):
+    def stop_after_two(tree, level, ctx):
         calls.append(level)
         return level >= 2
 

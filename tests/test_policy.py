@@ -20,7 +20,7 @@ from ogspo.engine.policies import StaticTree
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.learn.export import export_policy
-from ogspo.learn.policy import PolicyData, PolicyHead, evaluate_policy, offline_states, policy_depths, train_policy
+from ogspo.learn.policy import PolicyData, PolicyHead, offline_states, policy_depths, train_policy
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, N_FEATURES
 from ogspo.methods.ogspo import OnnxPolicy, load_policy_dir
 from ogspo.methods.registry import make_policy
@@ -65,8 +65,8 @@ class Recorder:
     def __init__(self, policy: OnnxPolicy):
         self.policy, self.rows = policy, []
 
-    def __call__(self, tree, level):
-        f = self.policy.features(tree, level)
+    def __call__(self, tree, level, ctx):
+        f = self.policy.features(tree, level, ctx)
         self.rows.append((level, f))
         return self.policy.decide(f)
 
@@ -77,7 +77,7 @@ def test_features_online_equal_offline_full_template(tiny_records, tmp_path):
     data = offline_states(records=tiny_records, structure=TEMPLATE, latency=synthetic_latency())
     export_policy(head=_constant_head(1.0), path=tmp_path / "p.onnx", structure=TEMPLATE, lam=1.0)
     target, drafter = _setup()
-    rec = Recorder(OnnxPolicy(tmp_path / "p.onnx").bind(target))
+    rec = Recorder(OnnxPolicy(tmp_path / "p.onnx"))
     engine = SpeculativeEngine(target=target, policy=StaticTree(TEMPLATE), drafter=drafter, stop_hook=rec)
     for i, prompt in enumerate(PROMPTS):
         engine.generate(prompt, max_new_tokens=MAX_NEW, seed=request_seed(0, f"p{i}"))
@@ -95,7 +95,7 @@ def test_features_online_equal_offline_sub_structure(tiny_records, tmp_path):
     data = offline_states(records=tiny_records, structure=SUB, latency=synthetic_latency())
     export_policy(head=_constant_head(1.0), path=tmp_path / "p.onnx", structure=SUB, lam=1.0)
     target, drafter = _setup()
-    policy = OnnxPolicy(tmp_path / "p.onnx").bind(target)
+    policy = OnnxPolicy(tmp_path / "p.onnx")
     rec = Recorder(policy)
     engine = SpeculativeEngine(target=target, policy=StaticTree(SUB), drafter=drafter, stop_hook=rec)
     cyc = tiny_records.cycles
@@ -209,7 +209,6 @@ def test_ogspo_method_is_lossless_at_temperature_zero(tmp_path):
     target = build_tree_lm(target_model, max_len=256)
     policy = make_policy("ogspo", policy_path=tmp_path)
     assert policy.name == "ogspo" and policy.structure.paths == SUB.paths
-    policy.bind(target)
     for prompt in PROMPTS:
         engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(build_tree_lm(tiny_model(1), max_len=256)))
         res = engine.generate(prompt, max_new_tokens=30)

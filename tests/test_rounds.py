@@ -155,7 +155,6 @@ def test_rounds_run_and_outputs_load(records, tmp_path):
     method = make_policy("ogspo", policy_path=tmp_path / "policy")
     target_model = tiny_model(0)
     target = build_tree_lm(target_model, max_len=256)
-    method.bind(target)
     engine = SpeculativeEngine(target=target, policy=method, drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
     for prompt in PROMPTS:
         assert engine.generate(prompt, max_new_tokens=20).tokens == hf_greedy(target_model, prompt, 20)

@@ -212,7 +212,7 @@ def _load_model_drafter(args: argparse.Namespace, *, device: str = "cpu"):
     model, tokenizer = load_target(args.model, device=device)
     extra = {} if args.drafter_path is None else {"path": args.drafter_path, "target_checksum": checksum}
     drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, kernels=kernels, **extra)
-    drafter_id = getattr(drafter, "drafter_id", None) or (
+    drafter_id = drafter.drafter_id or (
         args.drafter if args.drafter_path is None else f"{args.drafter}:{Path(args.drafter_path).resolve().name}"
     )
     target = make_target(model, max_len=args.max_len, drafter=drafter, kernels=kernels)

@@ -30,7 +30,7 @@ from .head import EagleHead, HeadConfig
 from .runtime import META, WEIGHTS
 
 from ogspo.artifacts.io import atomic_write
-from ogspo.engine.target import build_tree_lm
+from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 
 DEFAULTS = dict(
     draft_vocab=8192,
@@ -97,7 +97,7 @@ def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | No
         rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
         lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
         kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
-        if hasattr(lm, "forward_batch"):
+        if isinstance(lm, LlamaTreeLM):  # the batched forward
             data = generate_batched(lm, prompts, batch=cfg["gen_batch"], **kw)
             for k in range(cfg["sampled"]):
                 data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
@@ -178,7 +178,6 @@ def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
     feats, nxt, did, tp, valid, top1 = batch
     outs = head.forward_train(feats, nxt, steps)
     total, losses, accs = 0.0, [], []
-    T = feats.shape[1]
     for j, logits in enumerate(outs, start=1):
         m = valid.clone()
         m[:, : j - 1] = False  # no root before t - j + 1

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .drafters import Observation, TreeDrafter
-from .policies import StopHook, TreePolicy
+from .policies import CycleContext, StopHook, TreePolicy
 from .target import ForwardOut, TreeLM
 from .tree import DraftTree, ancestor_matrix
 from .verify import (
@@ -147,7 +147,9 @@ class SpeculativeEngine:
             on_tokens(out[:])
         cycles: list[CycleStats] = []
         while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-            stats, committed = self._cycle(out[-1], seed, len(cycles) + 1)
+            ctx = CycleContext(context_length=self.target.cache.length, request_seed=seed, index=len(cycles) + 1,
+                               prompt_length=L)
+            stats, committed = self._cycle(out[-1], ctx)
             cycles.append(stats)
             room = max_new_tokens - len(out)
             if self.eos_token_id is not None and self.eos_token_id in committed:
@@ -163,10 +165,10 @@ class SpeculativeEngine:
             cycles=cycles,
         )
 
-    def _cycle(self, root: int, request_seed: int, index: int) -> tuple[CycleStats, list[int]]:
+    def _cycle(self, root: int, ctx: CycleContext) -> tuple[CycleStats, list[int]]:
         t0 = time.perf_counter()
         cache = self.target.cache
-        draft = self.policy.draft(self.drafter, root, stop_hook=self.stop_hook)
+        draft = self.policy.draft(self.drafter, root, ctx, stop_hook=self.stop_hook)
         tree = draft.drafted
         if len(draft.verified) < len(tree):
             tree, _ = tree.subset(draft.verified)
@@ -177,7 +179,7 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         fwd = self.target.forward(torch.from_numpy(tree.tokens), positions, attend)
         t2 = time.perf_counter()
-        seed = cycle_seed(request_seed, index)
+        seed = cycle_seed(ctx.request_seed, ctx.index)
         verdict: Verdict
         if self.temperature == 0:
             verdict = verify_greedy(tree, fwd.logits)
@@ -209,19 +211,23 @@ class SpeculativeEngine:
         if self.cycle_observer is not None:
             self.cycle_observer(
                 CycleTrace(
-                    request_seed=request_seed, index=index, root=root, context_length=L, drafted=draft.drafted,
+                    request_seed=ctx.request_seed, index=ctx.index, root=root, context_length=L, drafted=draft.drafted,
                     verified=draft.verified, tree=tree, logits=fwd.logits, verdict=verdict, committed=committed,
                     stats=stats,
                 )
             )
         return stats, committed
 
-    def cycle_from(self, context: list[int], root: int, *, request_seed: int, index: int) -> tuple[CycleStats, list[int]]:
+    def cycle_from(self, context: list[int], root: int, *, request_seed: int, index: int,
+                   prompt_length: int | None = None) -> tuple[CycleStats, list[int]]:
         """Run one cycle after committed `context` with root token `root`, using the random numbers of
-        cycle `index` of request `request_seed`: a same-trace execution of that recorded cycle."""
+        cycle `index` of request `request_seed`: a same-trace execution of that recorded cycle.
+        `prompt_length` is where the request started (default: unknown, the whole context)."""
         self._check_prompt(list(context) + [root], 1)
         self._prefill(list(context))
-        return self._cycle(int(root), request_seed, index)
+        ctx = CycleContext(context_length=len(context), request_seed=request_seed, index=index,
+                           prompt_length=len(context) if prompt_length is None else prompt_length)
+        return self._cycle(int(root), ctx)
 
     def _prefill(self, prompt: list[int]) -> ForwardOut:
         """Fill the target cache with the prompt and begin the drafter; returns the target's output
@@ -231,6 +237,7 @@ class SpeculativeEngine:
         L = len(prompt)
         pre = self.target.forward(torch.tensor(prompt), torch.arange(L), None, logits_rows=torch.tensor([L - 1]))
         cache.commit_prefix(L)
+        self.policy.begin(list(prompt))
         if self.drafter is not None:
             self.drafter.begin(list(prompt), pre)
         return pre

@@ -38,6 +38,8 @@ class Observation:
 
 class TreeDrafter(ABC):
     name = "drafter"
+    drafter_id: str | None = None  # which trained weights, for outputs (None: the drafter has none)
+    feature_layers: tuple[int, ...] = ()  # target hidden layers the drafter reads from `ForwardOut.features`
 
     @abstractmethod
     def begin(self, prompt: list[int], target: ForwardOut | None) -> None: ...

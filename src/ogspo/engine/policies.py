@@ -3,6 +3,10 @@
 Every policy drafts level by level and calls an optional *stop hook* after each drafted level;
 returning True stops drafting there (the OGSPO policy head plugs in here). The verified tree is
 then the drafted tree (static structures, chains) or its best sub-tree (EAGLE-3 dynamic tree).
+
+The contract is explicit both ways: the engine calls `policy.begin(prompt)` when a request starts
+and hands every `draft` a `CycleContext` (committed length, request seed, cycle index, the
+request's start), which the policy passes on to the stop hook. Nothing reads the target's cache.
 """
 
 from __future__ import annotations
@@ -17,7 +21,21 @@ import numpy as np
 from .drafters import TreeDrafter
 from .tree import DraftTree, Structure
 
-StopHook = Callable[[DraftTree, int], bool]  # (tree drafted so far, level just drafted) -> stop now?
+@dataclass(frozen=True)
+class CycleContext:
+    """What the engine tells a policy and its stop hook about the cycle being drafted."""
+
+    context_length: int  # committed KV rows before the cycle (the root token is not among them)
+    request_seed: int
+    index: int  # cycle index within the request, 1-based (as in verify.cycle_seed)
+    prompt_length: int  # committed rows when the request's first cycle began (where the request starts)
+
+    @property
+    def first_cycle(self) -> bool:
+        return self.index == 1
+
+
+StopHook = Callable[[DraftTree, int, CycleContext], bool]  # (tree so far, level just drafted, cycle) -> stop now?
 
 
 @dataclass
@@ -32,16 +50,22 @@ class TreePolicy(ABC):
     name = "policy"  # set by each policy's constructor (a method label in outputs)
     max_depth = 0
     max_nodes = 1  # most nodes (root included) one verification can hold
+    hook: StopHook | None = None  # the policy's own stop hook (OGSPO's head); the engine's `stop_hook` overrides it
+
+    def begin(self, prompt: list[int]) -> None:
+        """A request starts after `prompt`: per-request state resets here (most policies have none)."""
 
     @abstractmethod
-    def draft(self, drafter: TreeDrafter | None, root: int, *, stop_hook: StopHook | None = None) -> Draft: ...
+    def draft(self, drafter: TreeDrafter | None, root: int, ctx: CycleContext, *,
+              stop_hook: StopHook | None = None) -> Draft:
+        """The cycle's draft from `root`; `stop_hook` (else `self.hook`) is asked after each level."""
 
 
 class Autoregressive(TreePolicy):
     def __init__(self, name: str = "ar"):
         self.name = name
 
-    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
+    def draft(self, drafter, root, ctx, *, stop_hook=None) -> Draft:
         return Draft(drafted=DraftTree.from_root(root), verified=np.zeros(1, dtype=np.int64))
 
 
@@ -56,7 +80,8 @@ class StaticTree(TreePolicy):
         self.max_depth = structure.max_depth
         self.max_nodes = len(structure) + 1
 
-    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
+    def draft(self, drafter, root, ctx, *, stop_hook=None) -> Draft:
+        stop_hook = stop_hook if stop_hook is not None else self.hook
         tree = DraftTree.from_root(root)
         paths: list[tuple[int, ...]] = [()]
         frontier = np.zeros(1, dtype=np.int64)
@@ -84,7 +109,7 @@ class StaticTree(TreePolicy):
             frontier = new
             if len(new) == 0:
                 break
-            if stop_hook is not None and level < self.max_depth and stop_hook(tree, level):
+            if stop_hook is not None and level < self.max_depth and stop_hook(tree, level, ctx):
                 stopped = True
                 break
         return Draft(drafted=tree, verified=np.arange(len(tree)), level_seconds=times, stopped_early=stopped)
@@ -106,7 +131,8 @@ class DynamicTree(TreePolicy):
         self.max_nodes = total_tokens + 1
         self.name = name or f"eagle{total_tokens}-{depth}-{top_k}"
 
-    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
+    def draft(self, drafter, root, ctx, *, stop_hook=None) -> Draft:
+        stop_hook = stop_hook if stop_hook is not None else self.hook
         tree = DraftTree.from_root(root)
         cum = np.zeros(1)
         frontier = np.zeros(1, dtype=np.int64)
@@ -131,7 +157,7 @@ class DynamicTree(TreePolicy):
                 break
             order = np.argsort(-cum[new], kind="stable")[:k]
             frontier = new[np.sort(order)]
-            if stop_hook is not None and level < self.max_depth and stop_hook(tree, level):
+            if stop_hook is not None and level < self.max_depth and stop_hook(tree, level, ctx):
                 stopped = True
                 break
         keep = select_top_nodes(tree.parents, tree.depths, cum, self.total_tokens)

@@ -96,6 +96,7 @@ class TreeLM:
     config = None
     vocab_size: int
     cache: KVCache
+    device: torch.device = torch.device("cpu")  # where the weights and the cache live
 
     def new_cache(self, max_len: int) -> KVCache:
         raise NotImplementedError

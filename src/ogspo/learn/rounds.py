@@ -59,7 +59,7 @@ from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
-from ogspo.engine.policies import StaticTree
+from ogspo.engine.policies import CycleContext, StaticTree
 from ogspo.engine.target import TreeLM
 from ogspo.engine.tree import DraftTree, Structure
 from ogspo.learn.export import export_policy
@@ -122,16 +122,18 @@ class ExploringStop:
 
     def __init__(self, *, decide: Callable[[np.ndarray], bool], epsilon: float):
         self.decide, self.epsilon = decide, float(epsilon)
-        self.context_length, self.recent_accept = 0, 0.0
+        self.recent_accept = 0.0
         self.rng = np.random.default_rng(0)
         self.log: list[Decision] = []
 
-    def start_cycle(self, *, context_length: int, recent_accept: float, rng: np.random.Generator) -> None:
-        self.context_length, self.recent_accept, self.rng = int(context_length), float(recent_accept), rng
+    def start_cycle(self, *, recent_accept: float, rng: np.random.Generator) -> None:
+        """Before each `cycle_from`: the record's `recent_accept` (a lone cycle has no request history)
+        and the cycle's exploration randomness."""
+        self.recent_accept, self.rng = float(recent_accept), rng
         self.log = []
 
-    def __call__(self, tree: DraftTree, level: int) -> bool:
-        f = state_features(tree, level, context_length=self.context_length, recent_accept=self.recent_accept)
+    def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
+        f = state_features(tree, level, context_length=ctx.context_length, recent_accept=self.recent_accept)
         policy_stop = bool(self.decide(f))
         explored = bool(self.rng.random() < self.epsilon)
         coin = bool(self.rng.random() < 0.5)
@@ -215,8 +217,9 @@ def same_trace(
         if root != row["root_token"] or len(context) != row["context_length"]:
             raise ValueError(f"same-trace: records of '{rid}' are not consecutive cycles (cycle {row['cycle']})")
         rng = np.random.default_rng([seed & (2**32 - 1), zlib.crc32(rid.encode()), int(row["cycle"])])
-        hook.start_cycle(context_length=row["context_length"], recent_accept=float(data.features[c, 0, RECENT]), rng=rng)
-        stats, committed = engine.cycle_from(context, root, request_seed=int(row["request_seed"]), index=int(row["cycle"]))
+        hook.start_cycle(recent_accept=float(data.features[c, 0, RECENT]), rng=rng)
+        stats, committed = engine.cycle_from(context, root, request_seed=int(row["request_seed"]), index=int(row["cycle"]),
+                                             prompt_length=prompt_len[rid])
         executed.append(int(c))
         depths.append(stats.depth)
         realised.append(committed)

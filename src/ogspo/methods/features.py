@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from ogspo.engine.policies import CycleContext
 from ogspo.engine.tree import DraftTree
 
 
@@ -71,22 +72,22 @@ def state_features(tree: DraftTree, level: int, *, context_length: int, recent_a
 
 
 class RecentAccept:
-    """Online `recent_accept`: EMA of committed tokens per cycle, from the committed context length
-    seen at each cycle's first decision. A context that does not grow, or grows by more than one cycle
-    can commit (`max_commit`), starts a new request (EMA back to 0)."""
+    """Online `recent_accept`: EMA (alpha `EMA_ALPHA`, start 0) of tokens committed per earlier cycle of
+    the request, from the committed context length at each cycle's start. `update` once per cycle, in
+    order; the request's first cycle (`CycleContext.first_cycle`) starts it again at 0."""
 
-    def __init__(self, *, max_commit: int, alpha: float = EMA_ALPHA):
-        self.alpha, self.max_commit = alpha, max_commit
+    def __init__(self, *, alpha: float = EMA_ALPHA):
+        self.alpha = alpha
         self.value = 0.0
-        self.last_length: int | None = None
+        self.last_length: int | None = None  # context length at the previous cycle of this request
 
     def reset(self) -> None:
         self.value, self.last_length = 0.0, None
 
-    def update(self, context_length: int) -> float:
-        if self.last_length is not None and 0 < context_length - self.last_length <= self.max_commit:
-            self.value = (1 - self.alpha) * self.value + self.alpha * (context_length - self.last_length)
-        else:
+    def update(self, ctx: CycleContext) -> float:
+        if ctx.first_cycle or self.last_length is None:
             self.value = 0.0
-        self.last_length = context_length
+        else:
+            self.value = (1 - self.alpha) * self.value + self.alpha * (ctx.context_length - self.last_length)
+        self.last_length = ctx.context_length
         return self.value

@@ -4,25 +4,21 @@ the structure it was trained for (docs/DESIGN.md §5)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ogspo.artifacts.policy_folder import INPUT_NAME, POLICY_FILE
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
-from ogspo.engine.policies import Autoregressive, StaticTree, TreePolicy
-from ogspo.engine.target import TreeLM
+from ogspo.engine.policies import Autoregressive, CycleContext, StaticTree, TreePolicy
 from ogspo.engine.tree import DraftTree, Structure
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, RecentAccept, state_features
 
 
 class OnnxPolicy:
-    """The exported head under onnxruntime (session created once), usable as the engine's stop hook.
-
-    As a hook it needs the committed context length: `bind(target)` (a TreeLM: reads target.cache.length)
-    or `bind(context_length=callable)`. `recent_accept` is tracked from that length (`RecentAccept`);
-    `reset()` starts a new request explicitly."""
+    """The exported head under onnxruntime (session created once), usable as the engine's stop hook:
+    `hook(tree, level, ctx)`. The context length comes from the engine's `CycleContext`, and
+    `recent_accept` is tracked from it cycle by cycle (`RecentAccept`)."""
 
     def __init__(self, path: Path, *, device: str = "cpu"):
         import onnxruntime as ort
@@ -60,20 +56,9 @@ class OnnxPolicy:
         self.structure = Structure(paths) if paths else None
         self.lam = float(self.metadata["ogspo_lambda"]) if self.metadata.get("ogspo_lambda") else None
         self.providers = self.session.get_providers()
-        self._context_length: Callable[[], int] | None = None
-        depth = self.structure.max_depth if self.structure is not None else 64
-        self.recent = RecentAccept(max_commit=depth + 1)
+        self.recent = RecentAccept()
         self.calls = 0
         self.stops = 0
-
-    def bind(self, target=None, *, context_length: Callable[[], int] | None = None) -> "OnnxPolicy":
-        if context_length is None:
-            if target is None:
-                raise ValueError("bind needs a target (TreeLM) or a context_length callable")
-            context_length = lambda: int(target.cache.length)  # noqa: E731
-        self._context_length = context_length
-        self.recent.reset()
-        return self
 
     def reset(self) -> None:
         self.recent.reset()
@@ -86,16 +71,14 @@ class OnnxPolicy:
         """True = stop now (predicted advantage of continuing <= 0)."""
         return bool(self.advantage(features)[0] <= 0)
 
-    def features(self, tree: DraftTree, level: int) -> np.ndarray:
-        if self._context_length is None:
-            raise ValueError("the ogspo stop policy is not bound to a target: call policy.bind(target) first")
-        L = self._context_length()
+    def features(self, tree: DraftTree, level: int, ctx: CycleContext) -> np.ndarray:
+        """The state features after `level` (the first level of a cycle also updates `recent_accept`). [F]"""
         if level == 1:
-            self.recent.update(L)
-        return state_features(tree, level, context_length=L, recent_accept=self.recent.value)
+            self.recent.update(ctx)
+        return state_features(tree, level, context_length=ctx.context_length, recent_accept=self.recent.value)
 
-    def __call__(self, tree: DraftTree, level: int) -> bool:
-        stop = self.decide(self.features(tree, level))
+    def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
+        stop = self.decide(self.features(tree, level, ctx))
         self.calls += 1
         self.stops += stop
         return stop
@@ -121,19 +104,14 @@ def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "Onn
 
 class OgspoTree(StaticTree):
     """OGSPO: the learned structure S drafted level by level, with the exported policy head (ONNX) as
-    the stop hook evaluated after every level. `bind(target)` before decoding (the hook reads the
-    committed context length from the target's cache)."""
+    the stop hook (`self.hook`) evaluated after every level."""
 
-    def __init__(self, structure: Structure, hook, name: str = "ogspo"):
+    def __init__(self, structure: Structure, hook: OnnxPolicy, name: str = "ogspo"):
         super().__init__(structure, name=name)
         self.hook = hook
 
-    def bind(self, target: TreeLM) -> "OgspoTree":
-        self.hook.bind(target)
-        return self
-
-    def draft(self, drafter, root, *, stop_hook=None):
-        return super().draft(drafter, root, stop_hook=stop_hook if stop_hook is not None else self.hook)
+    def begin(self, prompt: list[int]) -> None:
+        self.hook.reset()
 
 
 def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu",

@@ -74,7 +74,7 @@ def make_target(
 ) -> TreeLM:
     """The target for the engine, with the device's kernel table; it also returns the hidden states a
     feature-fed drafter needs."""
-    layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+    layers = drafter.feature_layers if drafter is not None else ()
     return build_tree_lm(hf_model, backend=backend, max_len=max_len, feature_layers=layers, kernels=kernels)
 
 

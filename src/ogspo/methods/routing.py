@@ -4,13 +4,12 @@ drafting; see `learn.routing` for the features and the training."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ogspo.artifacts.router import Router, load_router, template_name
-from ogspo.engine.policies import Draft, StaticTree, TreePolicy
+from ogspo.engine.policies import CycleContext, Draft, StaticTree, TreePolicy
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.features import EMA_ALPHA, RecentAccept
 
@@ -27,25 +26,26 @@ def router_features(*, context_length: float, recent_accept: float, last_commit:
 
 
 class RouterState:
-    """Online feature state of one request stream: the committed context length seen at each cycle's start
-    gives the previous cycle's commit (`RecentAccept`); `drafted(depth)` tells it the depth just drafted."""
+    """Online feature state of one request: the committed context length at each cycle's start gives the
+    previous cycle's commit (`RecentAccept`); `drafted(depth)` tells it the depth just drafted."""
 
-    def __init__(self, *, max_commit: int, alpha: float = EMA_ALPHA):
-        self.recent = RecentAccept(max_commit=max_commit, alpha=alpha)
+    def __init__(self, *, alpha: float = EMA_ALPHA):
+        self.recent = RecentAccept(alpha=alpha)
         self.last_depth: int | None = None
 
     def reset(self) -> None:
         self.recent.reset()
         self.last_depth = None
 
-    def features(self, context_length: int) -> np.ndarray:
+    def features(self, ctx: CycleContext) -> np.ndarray:
+        """Router features of the cycle about to be drafted (call once per cycle, in order). [F]"""
         prev = self.recent.last_length
-        same_request = prev is not None and 0 < context_length - prev <= self.recent.max_commit
-        commit = context_length - prev if same_request else 0
-        ema = self.recent.update(context_length)
-        if not same_request:
+        first = ctx.first_cycle or prev is None
+        commit = 0 if first else ctx.context_length - prev
+        ema = self.recent.update(ctx)
+        if first:
             self.last_depth = None
-        return router_features(context_length=context_length, recent_accept=ema, last_commit=commit,
+        return router_features(context_length=ctx.context_length, recent_accept=ema, last_commit=commit,
                                last_depth=self.last_depth)
 
     def drafted(self, depth: int) -> None:
@@ -53,8 +53,8 @@ class RouterState:
 
 
 class RoutedTree(TreePolicy):
-    """Per cycle: features before drafting -> router -> draft that template fully (nothing for `[]`).
-    `bind(target)` before decoding (the features read the committed context length from the target's cache)."""
+    """Per cycle: features before drafting (from the engine's `CycleContext`) -> router -> draft that
+    template fully (nothing for `[]`)."""
 
     def __init__(self, router: Router, name: str = "routing"):
         self.name = name
@@ -62,32 +62,20 @@ class RoutedTree(TreePolicy):
         self.trees = [StaticTree(S, name=template_name(S)) if len(S) else None for S in router.templates]
         self.max_depth = max(S.max_depth for S in router.templates)
         self.max_nodes = max(len(S) for S in router.templates) + 1
-        self.state = RouterState(max_commit=self.max_depth + 1)
+        self.state = RouterState()
         self.counts = np.zeros(len(router.templates), dtype=np.int64)  # cycles routed to each template
-        self._context_length: Callable[[], int] | None = None
 
-    def bind(self, target=None, *, context_length: Callable[[], int] | None = None) -> "RoutedTree":
-        if context_length is None:
-            if target is None:
-                raise ValueError("bind needs a target (TreeLM) or a context_length callable")
-            context_length = lambda: int(target.cache.length)  # noqa: E731
-        self._context_length = context_length
-        self.state.reset()
-        return self
-
-    def reset(self) -> None:
+    def begin(self, prompt: list[int]) -> None:
         self.state.reset()
 
-    def draft(self, drafter, root, *, stop_hook=None) -> Draft:
-        if self._context_length is None:
-            raise ValueError("the routing policy is not bound to a target: call policy.bind(target) first")
-        k = int(self.router.choose(self.state.features(self._context_length()))[0])
+    def draft(self, drafter, root, ctx, *, stop_hook=None) -> Draft:
+        k = int(self.router.choose(self.state.features(ctx))[0])
         self.counts[k] += 1
         tree = self.trees[k]
         if tree is None:
             draft = Draft(drafted=DraftTree.from_root(root), verified=np.zeros(1, dtype=np.int64))
         else:
-            draft = tree.draft(drafter, root, stop_hook=stop_hook)
+            draft = tree.draft(drafter, root, ctx, stop_hook=stop_hook)
         self.state.drafted(int(draft.drafted.depths.max()))
         return draft
 

@@ -217,7 +217,6 @@ def build_oracle_milp(
     W = groups.weights.astype(np.float64)
     m.num_const = float(W.sum())
     m.den_const = float(W.sum() * latency.fixed)
-    cum = info.cum_sizes()
     # levels every cycle drafts (l <= dmin): aggregated, no per-group payment
     for l in range(1, dmin + 1):
         for i, c in enc.draft_expr[l].items():

@@ -82,7 +82,7 @@ def _time_verify(target: TreeLM, n: int, L: int, rng: np.random.Generator) -> fl
     tokens = torch.from_numpy(rng.integers(0, target.vocab_size, n))  # [n]
     cache = target.cache
     cache.length, cache.pending = L, 0  # the committed rows hold a real prefix (see _fill_cache)
-    dev = getattr(target, "device", "cpu")
+    dev = target.device
     _sync(dev)
     t0 = time.perf_counter()
     target.forward(tokens, positions, attend)
@@ -189,7 +189,7 @@ def calibrate_latency(
     target.cache.reset()
     pre = target.forward(torch.tensor(prompt), torch.arange(prompt_len), None, logits_rows=torch.tensor([prompt_len - 1]))
     target.cache.commit_prefix(prompt_len)
-    dev = getattr(target, "device", "cpu")
+    dev = target.device
     draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=dev)
 
     # ---- t_fixed from real engine cycles

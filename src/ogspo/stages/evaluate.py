@@ -30,7 +30,8 @@ from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
-from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
+from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
+from ogspo.engine.tree import DraftTree
 from ogspo.methods.registry import EVAL_METHODS, REFERENCE, TUNED, make_policy
 
 
@@ -147,14 +148,14 @@ def build_policy(
 class TimedHook:
     """A stop hook wrapper that adds up the seconds spent deciding."""
 
-    def __init__(self, hook):
+    def __init__(self, hook: StopHook):
         self.hook = hook
         self.seconds = 0.0
 
-    def __call__(self, tree, level) -> bool:
+    def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
         t0 = time.perf_counter()
         try:
-            return self.hook(tree, level)
+            return self.hook(tree, level, ctx)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -187,10 +188,7 @@ class MethodEngine:
 
 def make_method_engine(spec: MethodSpec, policy: TreePolicy, *, target, drafter, temperature: float,
                        eos_token_id: int | None) -> MethodEngine:
-    if hasattr(policy, "bind"):  # policies whose stop hook reads the committed context (ogspo, routing)
-        policy.bind(target)
-    inner = getattr(policy, "hook", None)
-    hook = TimedHook(inner) if inner is not None else None
+    hook = TimedHook(policy.hook) if policy.hook is not None else None
     log = CycleLog()
     engine = SpeculativeEngine(
         target=target, policy=policy, drafter=None if policy.max_nodes == 1 else drafter, temperature=temperature,
@@ -231,12 +229,8 @@ class RequestRow:
 def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency) -> tuple[GenerationResult, dict]:
     """Decode one request with one method; returns the result and its timing/prediction figures."""
     me.log.cycles.clear()
-    if hasattr(me.engine.policy, "reset"):  # per-request state (routing's recent acceptance)
-        me.engine.policy.reset()
     if me.hook is not None:
         me.hook.seconds = 0.0
-        if hasattr(me.hook.hook, "reset"):
-            me.hook.hook.reset()
     res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
     split = res.time_split()
     policy_s = me.hook.seconds if me.hook is not None else 0.0

@@ -55,8 +55,6 @@ def generate_text(
         draft = make_drafter(drafter, target_model=model, max_len=max_len, early_exit_layers=early_exit_layers,
                              path=drafter_path, target_checksum=model_checksum(model_dir), kernels=kernels)
     target = make_target(model, max_len=max_len, drafter=draft, kernels=kernels)
-    if hasattr(policy, "bind"):  # policies with a stop hook that reads the committed context (ogspo)
-        policy.bind(target)
     engine = SpeculativeEngine(
         target=target,
         policy=policy,
