@@ -21,10 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchdoc import cpu_model, stats, write_section  # noqa: E402
 
+from ogspo.artifacts.settings import default_settings  # noqa: E402
 from ogspo.engine.policies import CycleContext  # noqa: E402
 from ogspo.engine.tree import DraftTree, Structure  # noqa: E402
 from ogspo.learn.export import export_policy
-from ogspo.learn.policy import DEFAULT_POLICY, PolicyHead
+from ogspo.learn.policy import PolicyHead
 from ogspo.methods.features import N_FEATURES, state_features
 from ogspo.methods.ogspo import OnnxPolicy
 from ogspo.stages.config import load_config
@@ -67,7 +68,8 @@ def main() -> None:
     S = Structure.full(tcfg["widths"][: tcfg["depth"]])
     rng = np.random.default_rng(0)
     tree = random_tree(S, rng)
-    head = PolicyHead(N_FEATURES, DEFAULT_POLICY["hidden"]).eval()
+    hidden = default_settings("policy")["hidden"]
+    head = PolicyHead(N_FEATURES, hidden).eval()
     with tempfile.TemporaryDirectory() as tmp:
         export_policy(head=head, path=Path(tmp) / "policy.onnx", structure=S, lam=1.0)
         pol = OnnxPolicy(Path(tmp) / "policy.onnx")
@@ -86,7 +88,7 @@ def main() -> None:
     per_cycle = hook * (S.max_depth - 1)  # at most one call per drafted level but the last
     lines = [
         "## Stop policy cost (bench_policy)", "",
-        f"CPU: {cpu_model()}, 1 thread; head {N_FEATURES}-{DEFAULT_POLICY['hidden']}-{DEFAULT_POLICY['hidden']}-1 "
+        f"CPU: {cpu_model()}, 1 thread; head {N_FEATURES}-{hidden}-{hidden}-1 "
         f"(random weights), template {len(S)} nodes / depth {S.max_depth}; {args.calls} calls x 5 repeats.", "",
         "| per call | median us | min | max |", "|---|---|---|---|",
     ]

@@ -30,31 +30,8 @@ from .head import EagleHead, HeadConfig
 from .runtime import META, WEIGHTS
 
 from ogspo.artifacts.io import atomic_write
+from ogspo.artifacts.settings import settings
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
-
-DEFAULTS = dict(
-    draft_vocab=8192,
-    max_new_tokens=96,
-    chat_variants=True,
-    extra_fortunes=0,  # fortunes outside the workloads, each as a continuation prompt and a chat request
-    extra_functions=0,  # documented standard-library functions, each as a code prompt and a chat request
-    sampled=0,  # sampled (T=1) continuations per prompt, besides the greedy one
-    prompts_per_workload=0,  # 0 = all train prompts
-    stdlib_tokens=30000,
-    gen_batch=64,  # prompts the target continues together (batch rows, or one packed cache)
-    gen_rows=4096,  # cache rows of a pack, for targets without a batched forward
-    annotate_batch_tokens=4096,
-    top_k=10,
-    seq_len=256,
-    ttt_steps=3,
-    ttt_decay=0.7,
-    batch_size=8,
-    steps=600,
-    lr=1e-3,
-    warmup=50,
-    checkpoint_every=100,
-    val_fraction=0.03,
-)
 
 
 @dataclass
@@ -255,10 +232,7 @@ def train_drafter(
     seed: int = 0,
 ) -> TrainResult:
 
-    cfg = DEFAULTS | (config or {})
-    unknown = set(cfg) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown drafter training keys {sorted(unknown)}; allowed: {', '.join(DEFAULTS)}")
+    cfg = settings("drafter", config)
     torch.manual_seed(seed)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from ogspo.artifacts.io import atomic_write
+from ogspo.artifacts.settings import settings
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, path_str
 from ogspo.engine.tree import DraftTree, Structure
@@ -52,15 +53,6 @@ from ogspo.methods.features import EMA_ALPHA, FEATURE_NAMES, FEATURES_VERSION, N
 from ogspo.offline.replay import replay, replay_cycles
 
 
-DEFAULT_POLICY = {
-    "hidden": 32,
-    "sweeps": 0,  # 0 = structure depth + 2
-    "steps_per_sweep": 150,
-    "lr": 0.003,
-    "weight_decay": 0.0001,
-    "rounds": 3,
-    "holdout_fraction": 0.25,
-}
 
 
 # ---------------------------------------------------------------- features
@@ -326,11 +318,8 @@ class PolicyTrainResult:
 
 
 def policy_settings(config: dict | None) -> dict:
-    cfg = {**DEFAULT_POLICY, **((config or {}).get("policy", config) or {})}
-    unknown = set(cfg) - set(DEFAULT_POLICY)
-    if unknown:
-        raise ValueError(f"unknown policy settings: {sorted(unknown)}")
-    return cfg
+    """The `policy` section (or a config holding it) over the defaults (`artifacts.settings`)."""
+    return settings("policy", config)
 
 
 def split_requests(requests: np.ndarray, *, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -57,6 +57,7 @@ import polars as pl
 
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
+from ogspo.artifacts.settings import settings
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.policies import CycleContext, StaticTree
@@ -77,21 +78,11 @@ from ogspo.methods.ogspo import OnnxPolicy
 from ogspo.offline.replay import replay, replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_structure
 
-DEFAULT_ROUNDS = {
-    "max_rounds": 4,
-    "epsilon": 0.1,
-    "prompts_per_workload": 1,
-    "max_new_tokens": 32,
-    "tolerance": 1e-3,
-}
 RECENT = FEATURE_NAMES.index("recent_accept")
 
 
 def rounds_settings(config: dict | None) -> dict:
-    cfg = {**DEFAULT_ROUNDS, **((config or {}).get("rounds", {}) or {})}
-    unknown = set(cfg) - set(DEFAULT_ROUNDS)
-    if unknown:
-        raise ValueError(f"unknown rounds settings: {sorted(unknown)}; allowed: {sorted(DEFAULT_ROUNDS)}")
+    cfg = settings("rounds", config)
     if not 0 <= float(cfg["epsilon"]) <= 1:
         raise ValueError(f"rounds.epsilon must be in [0, 1], got {cfg['epsilon']}")
     if int(cfg["max_rounds"]) < 1 or int(cfg["prompts_per_workload"]) < 1 or int(cfg["max_new_tokens"]) < 1:

@@ -43,6 +43,7 @@ import numpy as np
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
 from ogspo.artifacts.router import ROUTER_FEATURES, Router, template_name
+from ogspo.artifacts.settings import settings
 from ogspo.engine.tree import Structure
 from ogspo.learn.policy import split_requests
 from ogspo.methods.features import EMA_ALPHA
@@ -50,15 +51,6 @@ from ogspo.methods.routing import router_features
 from ogspo.offline.replay import replay, replay_cycles, structure_mask
 
 
-DEFAULT_ROUTING = {
-    "templates": [[], [[0]], [[0], [0, 0]], [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[0], [1], [0, 0]]],
-    "hidden": 16,
-    "steps": 400,
-    "lr": 0.01,
-    "weight_decay": 1.0e-4,
-    "rounds": 3,
-    "holdout_fraction": 0.25,
-}
 
 
 # ---------------------------------------------------------------- features
@@ -231,11 +223,8 @@ def evaluate_router(data: RoutingData, router: Router) -> RoutingEvaluation:
 
 
 def routing_settings(config: dict | None) -> dict:
-    cfg = {**DEFAULT_ROUTING, **((config or {}).get("routing", config) or {})}
-    unknown = set(cfg) - set(DEFAULT_ROUTING)
-    if unknown:
-        raise ValueError(f"unknown baselines.routing settings {sorted(unknown)}; allowed: {sorted(DEFAULT_ROUTING)}")
-    return cfg
+    """The `baselines.routing` section (or a config holding it) over the defaults (`artifacts.settings`)."""
+    return settings("baselines.routing", config)
 
 
 @dataclass

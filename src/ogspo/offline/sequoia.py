@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.settings import settings
 from ogspo.engine.tree import Structure
 from ogspo.offline.replay import ReplayCycles, replay
 
-DEFAULT_SEQUOIA = {"max_nodes": 64, "max_depth": None, "by_depth": False}
 REPORT_FILE = "sequoia.json"
 
 
@@ -182,10 +182,7 @@ def modelled_seconds(S: Structure, latency: LatencyModel, context_length: float)
 
 
 def sequoia_settings(config: dict | None) -> dict:
-    cfg = {**DEFAULT_SEQUOIA, **((config or {}).get("sequoia", config) or {})}
-    unknown = set(cfg) - set(DEFAULT_SEQUOIA)
-    if unknown:
-        raise ValueError(f"unknown baselines.sequoia settings {sorted(unknown)}; allowed: {sorted(DEFAULT_SEQUOIA)}")
+    cfg = settings("baselines.sequoia", config)
     if not isinstance(cfg["max_nodes"], int) or cfg["max_nodes"] < 0:
         raise ValueError(f"baselines.sequoia.max_nodes must be an integer >= 0, got {cfg['max_nodes']!r}")
     if cfg["max_depth"] is not None and (not isinstance(cfg["max_depth"], int) or cfg["max_depth"] < 1):

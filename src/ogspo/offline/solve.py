@@ -43,19 +43,11 @@ import numpy as np
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import OracleResult, StructureResult
 from ogspo.artifacts.records import template_index
+from ogspo.artifacts.settings import settings
 from ogspo.engine.tree import Structure
 from ogspo.offline.milp import FractionalMILP, add_coef, dinkelbach
 from ogspo.offline.replay import ReplayCycles, accepted_lengths, cycle_times, structure_mask
 
-DEFAULT_SOLVE = {
-    "time_limit": 60.0,
-    "mip_gap": 1e-6,
-    "dinkelbach_tol": 1e-7,
-    "max_iterations": 30,
-    "min_depth": 1,
-    "max_depth": None,
-    "context_buckets": 1,
-}
 CONSISTENCY_RTOL = 1e-6
 
 
@@ -402,11 +394,8 @@ def _check_consistency(what: str, milp: FractionalMILP, vals: np.ndarray, ref_nu
 
 
 def solve_settings(config: dict | None) -> dict:
-    cfg = {**DEFAULT_SOLVE, **((config or {}).get("solve", config) or {})}
-    unknown = set(cfg) - set(DEFAULT_SOLVE)
-    if unknown:
-        raise ValueError(f"unknown solve settings: {sorted(unknown)}")
-    return cfg
+    """The `solve` section (or a config holding it) over the defaults (`artifacts.settings`)."""
+    return settings("solve", config)
 
 
 def _group_tables(groups: CycleGroups, info: TemplateInfo, latency: LatencyModel, D: int):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import polars as pl
 
 from ogspo.artifacts.io import atomic_write, write_json
 from ogspo.artifacts.oracle import read_oracle
+from ogspo.artifacts.records import request_seed
 from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
@@ -81,9 +81,10 @@ def rotated_order(n: int, index: int) -> list[int]:
     return list(range(s, n)) + list(range(s))
 
 
-def request_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
-    """One seed per (workload, prompt, repeat), shared by all methods (common random numbers)."""
-    return (seed * 1_000_003 + zlib.crc32(f"{workload}/{prompt_id}/{repeat}".encode())) % (2**31)
+def slot_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
+    """One seed per request slot (workload, prompt, repeat), shared by all methods (common random
+    numbers): the records' `request_seed` of the slot's id."""
+    return request_seed(seed, f"{workload}/{prompt_id}/{repeat}")
 
 
 # ---------------------------------------------------------------- method artifacts
@@ -342,7 +343,7 @@ def evaluate_methods(
                                                   eos_token_id=eos_token_id))
             for repeat in range(repeats):
                 for prompt_id, prompt in plist:
-                    rseed = request_seed(seed, workload, prompt_id, repeat)
+                    rseed = slot_seed(seed, workload, prompt_id, repeat)
                     out: dict[str, RequestRow] = {}
                     for pos, j in enumerate(rotated_order(len(engines), slot)):
                         me = engines[j]
@@ -522,7 +523,7 @@ def tune_eagle(
         tps: list[list[float]] = [[] for _ in trees]
         taus: list[list[tuple[float, int]]] = [[] for _ in trees]
         for prompt_id, prompt in plist:
-            rseed = request_seed(seed, workload, prompt_id, 0)
+            rseed = slot_seed(seed, workload, prompt_id, 0)
             for j in rotated_order(len(engines), slot):
                 res, _ = run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
                 tps[j].append(res.throughput)
