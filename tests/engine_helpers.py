@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ogspo.drafter.head import EagleHead, HeadConfig
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
@@ -30,6 +31,17 @@ def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2, hidden: int =
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+def make_head(target, seed=0, draft_vocab=48) -> EagleHead:
+    """An EAGLE-3-style head for `target` with random weights and a non-trivial draft vocabulary."""
+    torch.manual_seed(seed)
+    cfg = HeadConfig.for_target(target, draft_vocab=draft_vocab)
+    d2t = torch.arange(draft_vocab) + (target.config.vocab_size - draft_vocab)  # a non-trivial map
+    head = EagleHead(cfg, embed=target.model.embed_tokens.weight, lm_rows=target.lm_head.weight[d2t], d2t=d2t)
+    for p in head.parameters():
+        p.data.normal_(0, 0.3)
+    return head.eval()
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

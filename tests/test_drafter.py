@@ -8,23 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_helpers import hf_greedy, tiny_model
-from ogspo.drafter.head import EagleHead, HeadConfig
+from engine_helpers import hf_greedy, make_head, tiny_model
 from ogspo.drafter.runtime import META, WEIGHTS, EagleDrafter, load_head
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import ForwardOut, build_tree_lm
 from ogspo.engine.tree import DraftTree, Structure
-
-
-def make_head(target, seed=0, draft_vocab=48) -> EagleHead:
-    torch.manual_seed(seed)
-    cfg = HeadConfig.for_target(target, draft_vocab=draft_vocab)
-    d2t = torch.arange(draft_vocab) + (target.config.vocab_size - draft_vocab)  # a non-trivial map
-    head = EagleHead(cfg, embed=target.model.embed_tokens.weight, lm_rows=target.lm_head.weight[d2t], d2t=d2t)
-    for p in head.parameters():
-        p.data.normal_(0, 0.3)
-    return head.eval()
 
 
 def test_ttt_steps_match_drafting():

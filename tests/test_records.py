@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import torch
 
 from engine_helpers import tiny_model
 from ogspo.artifacts.latency import LatencyModel
@@ -75,7 +76,7 @@ def test_latency_model_interpolates_and_round_trips(tmp_path):
 
 
 def test_bushy_tree_is_a_tree():
-    pos, attend, depths = bushy_tree(20, 7)
+    pos, attend, depths = bushy_tree(20, 7, torch.device("cpu"))
     assert attend.shape == (20, 20) and bool(attend.diagonal().all()) and int(pos[0]) == 7
     assert depths.max() >= 2 and (depths == 1).sum() >= 4  # bushy, not a chain
 

@@ -149,6 +149,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-exit-layers", type=int, default=6, help="layers of the early-exit drafter")
     p.add_argument("--drafter-path", type=Path, help="trained head folder (drafter eagle)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache rows")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: the dtype it was prepared in)")
     _add_kernels(p)
 
 
@@ -170,6 +172,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         drafter_path=args.drafter_path,
         max_len=args.max_len,
         kernels=_read_kernels(args),
+        device=args.device,
+        dtype=args.dtype,
         stream=lambda text: print(text, end="", flush=True),
     )
     r = result.generation
@@ -204,12 +208,13 @@ def _read_kernels(args: argparse.Namespace):
     return None if args.kernels is None else read_kernel_table(args.kernels)
 
 
-def _load_model_drafter(args: argparse.Namespace, *, device: str = "cpu"):
-    """(target TreeLM, drafter, model checksum, drafter id, tokenizer)."""
+def _load_model_drafter(args: argparse.Namespace, cfg: dict):
+    """(target TreeLM, drafter, model checksum, drafter id, tokenizer), on the config's `torch_device`, in the
+    dtype the model was prepared in."""
 
     kernels = _read_kernels(args)
     checksum = read_manifest(args.model)["checksum_sha256"]
-    model, tokenizer = load_target(args.model, device=device)
+    model, tokenizer = load_target(args.model, device=cfg["torch_device"])
     extra = {} if args.drafter_path is None else {"path": args.drafter_path, "target_checksum": checksum}
     drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, kernels=kernels, **extra)
     drafter_id = drafter.drafter_id or (
@@ -249,7 +254,7 @@ def _run_calibrate_latency(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args, ("latency", "seed", "torch_device"))
     lat = cfg["latency"]
-    target, drafter, checksum, drafter_id, _ = _load_model_drafter(args, device=cfg["torch_device"])
+    target, drafter, checksum, drafter_id, _ = _load_model_drafter(args, cfg)
     cal = calibrate_latency(
         target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
         draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
@@ -290,7 +295,7 @@ def _run_collect_records(args: argparse.Namespace) -> int:
     table = pl.read_parquet(args.workload_file).filter(pl.col("split") == "calib").sort("prompt_id").head(rc["prompts_per_workload"])
     if table.height == 0:
         raise ValueError(f"{args.workload_file} has no calib prompts (workloads.<name>.calib_prompts)")
-    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, device=cfg["torch_device"])
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
     prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
     ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
     res = collect_records(
@@ -345,10 +350,10 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
 
 def _run_train_drafter(args: argparse.Namespace) -> int:
 
-    cfg = _load_config(args, ("drafter", "seed", "workloads"))
+    cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
     fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
     r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
-                          fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"])
+                          fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
     print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
           f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
     return 0
@@ -366,13 +371,13 @@ def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
 
 def _run_measure_drafter(args: argparse.Namespace) -> int:
 
-    cfg = _load_config(args, ("measure_drafter", "seed"))
+    cfg = _load_config(args, ("measure_drafter", "seed", "torch_device"))
     m = cfg["measure_drafter"]
     result = measure_drafter(
         model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
         prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
         temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
-        chain_depth=m["chain_depth"], seed=cfg["seed"], kernels=_read_kernels(args),
+        chain_depth=m["chain_depth"], seed=cfg["seed"], kernels=_read_kernels(args), device=cfg["torch_device"],
     )
     write_measure(result, args.out_json, args.out_md)
     print(render_markdown(result))
@@ -456,7 +461,7 @@ def _run_ogspo_rounds(args: argparse.Namespace) -> int:
     cfg = _load_config(args, ("rounds", "policy", "solve", "seed", "torch_device"))
 
     def load_engine():
-        target, drafter, checksum, drafter_id, tokenizer = _load_model_drafter(args, device=cfg["torch_device"])
+        target, drafter, checksum, drafter_id, tokenizer = _load_model_drafter(args, cfg)
         return target, drafter, tokenizer, checksum, drafter_id
 
     r = run_rounds_stage(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle, out_dir=args.out,
@@ -556,7 +561,7 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
     ev = cfg["evaluate"]
     if args.temperature not in [float(t) for t in cfg["records"]["temperatures"]]:
         raise ValueError(f"temperature {args.temperature} is not among records.temperatures {cfg['records']['temperatures']}")
-    target, drafter, _, _, tok = _load_model_drafter(args, device=cfg["torch_device"])
+    target, drafter, _, _, tok = _load_model_drafter(args, cfg)
     prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
     res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
                      max_new_tokens=ev["max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
@@ -593,7 +598,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     unknown = sorted(set(oracle) - {temperature_tag(t) for t in temperatures})
     if unknown:
         raise ValueError(f"--oracle {unknown[0]}: not a temperature tag of records.temperatures {cfg['records']['temperatures']}")
-    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, device=cfg["torch_device"])
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
     latency = None if args.latency is None else LatencyModel.from_json(args.latency, expect_model=checksum, expect_drafter=drafter_id)
     prompts = load_prompts(args.workloads, tok, split="eval", n=ev["prompts_per_workload"])
     res = evaluate_methods(

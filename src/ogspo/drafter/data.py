@@ -169,6 +169,7 @@ def generate_annotated(
     out: list[Sequence | None] = [None] * len(prompts)
     packs = pack_prompts(lengths, max_new_tokens=max_new_tokens, pack=pack, max_rows=lm.cache.max_len)
     bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt")
+    dev = lm.device  # the target's device; the returned sequences live on the CPU
     for idx in packs:
         cache = lm.cache
         cache.reset()
@@ -179,33 +180,34 @@ def generate_annotated(
         last = []
         for j, i in enumerate(idx):  # prefill each prompt: causal over its own rows only
             n = lengths[i]
-            own = torch.zeros(n, len(owner), dtype=torch.bool)
-            attend = torch.cat([own, torch.ones(n, n, dtype=torch.bool).tril_()], dim=1)  # [n, pending + n]
-            fwd = lm.forward(torch.tensor(prompts[i]), torch.arange(n), attend)
+            own = torch.zeros(n, len(owner), dtype=torch.bool, device=dev)
+            attend = torch.cat([own, torch.ones(n, n, dtype=torch.bool, device=dev).tril_()], dim=1)  # [n, pending + n]
+            fwd = lm.forward(torch.tensor(prompts[i], device=dev), torch.arange(n, device=dev), attend)
             owner += [j] * n
-            feats[j].append(fwd.features.to(torch.float16))
-            top = torch.softmax(fwd.logits.float(), -1).topk(top_k, dim=-1)  # [n, K]
-            tops[j].append((top.indices.to(torch.int32), top.values.to(torch.float16)))
+            feats[j].append(fwd.features.to(torch.float16).cpu())
+            tops[j].append(_top(fwd.logits, top_k))  # [n, K]
             last.append(int(fwd.logits[-1].argmax()))
         active = [j for j in range(len(idx)) if max_new_tokens > 1 and last[j] != eos_token_id]
         for _ in range(max_new_tokens - 1):
             if not active:
                 break
-            own = torch.tensor(owner)[None, :] == torch.tensor(active)[:, None]  # [m, pending]
-            attend = torch.cat([own, torch.eye(len(active), dtype=torch.bool)], dim=1)  # [m, pending + m]
-            positions = torch.tensor([len(toks[j]) for j in active])
-            fwd = lm.forward(torch.tensor([last[j] for j in active]), positions, attend)
-            top = torch.softmax(fwd.logits.float(), -1).topk(top_k, dim=-1)  # [m, K]
+            own = torch.tensor(owner, device=dev)[None, :] == torch.tensor(active, device=dev)[:, None]  # [m, pending]
+            attend = torch.cat([own, torch.eye(len(active), dtype=torch.bool, device=dev)], dim=1)  # [m, pending + m]
+            positions = torch.tensor([len(toks[j]) for j in active], device=dev)
+            fwd = lm.forward(torch.tensor([last[j] for j in active], device=dev), positions, attend)
+            ids, probs = _top(fwd.logits, top_k)  # [m, K]
+            f16 = fwd.features.to(torch.float16).cpu()  # [m, F]
+            nxt = fwd.logits.argmax(-1).tolist()
             for r, j in enumerate(active):
                 toks[j].append(last[j])
                 owner.append(j)
-                feats[j].append(fwd.features[r : r + 1].to(torch.float16))
-                tops[j].append((top.indices[r : r + 1].to(torch.int32), top.values[r : r + 1].to(torch.float16)))
-                last[j] = int(fwd.logits[r].argmax())
+                feats[j].append(f16[r : r + 1])
+                tops[j].append((ids[r : r + 1], probs[r : r + 1]))
+                last[j] = int(nxt[r])
             active = [j for j in active if last[j] != eos_token_id]
         for j, i in enumerate(idx):
             out[i] = Sequence(
-                tokens=torch.tensor(toks[j], dtype=torch.int32),
+                tokens=torch.tensor(toks[j], dtype=torch.int32, device="cpu"),
                 feats=torch.cat(feats[j]),
                 top_ids=torch.cat([t[0] for t in tops[j]]),
                 top_p=torch.cat([t[1] for t in tops[j]]),
@@ -216,9 +218,9 @@ def generate_annotated(
 
 
 def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids (int32) and probabilities (float16) of the softmax over the last dim."""
+    """Top-k ids (int32) and probabilities (float16) of the softmax over the last dim, on the CPU."""
     top = torch.softmax(logits.float(), -1).topk(k, dim=-1)
-    return top.indices.to(torch.int32), top.values.to(torch.float16)
+    return top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu()
 
 
 @torch.inference_mode()
@@ -233,31 +235,33 @@ def generate_batched(
     the Llama backend): left-padded to a common length, each row attending to its own rows only.
     The last emitted token (EOS or the token at `max_new_tokens`) is never fed back: the sequence
     ends before it, and its distribution is the target's at the last position."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # sampling draws on the CPU: the same data on every device
+    dev = lm.device
     order = np.argsort([len(p) for p in prompts], kind="stable")
     out: list[Sequence | None] = [None] * len(prompts)
     bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt")
     for s in range(0, len(order), batch):
         idx = order[s : s + batch]
         B, P = len(idx), max(len(prompts[i]) for i in idx)
-        tokens = torch.zeros(B, P, dtype=torch.long)
-        positions = torch.zeros(B, P, dtype=torch.long)
-        valid = torch.ones(B, P + max_new_tokens, dtype=torch.bool)
+        tokens = torch.zeros(B, P, dtype=torch.long, device=dev)
+        positions = torch.zeros(B, P, dtype=torch.long, device=dev)
+        valid = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=dev)
         for r, i in enumerate(idx):
             n = len(prompts[i])
-            tokens[r, P - n :] = torch.tensor(prompts[i])
-            positions[r, P - n :] = torch.arange(n)
+            tokens[r, P - n :] = torch.tensor(prompts[i], device=dev)
+            positions[r, P - n :] = torch.arange(n, device=dev)
             valid[r, : P - n] = False
         cache = lm.new_batch_cache(B, P + max_new_tokens)
         fwd = lm.forward_batch(tokens, positions, cache, valid)
-        feats, tops = [fwd.features.to(torch.float16)], [_top(fwd.logits, top_k)]  # [B, P, ...]
-        fed = torch.zeros(B, dtype=torch.long)  # continuation tokens fed back per row
-        alive = torch.ones(B, dtype=torch.bool)
+        feats, tops = [fwd.features.to(torch.float16).cpu()], [_top(fwd.logits, top_k)]  # [B, P, ...]
+        fed = torch.zeros(B, dtype=torch.long, device=dev)  # continuation tokens fed back per row
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
         last = positions[:, -1]
         for _ in range(max_new_tokens - 1):
             logits = fwd.logits[:, -1]  # [B, vocab]
             if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen)[:, 0]
+                probs = torch.softmax(logits.float() / temperature, -1).cpu()  # [B, vocab]
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0].to(dev)
             else:
                 nxt = logits.argmax(-1)
             if eos_token_id is not None:
@@ -268,8 +272,9 @@ def generate_batched(
             last = last + 1
             fwd = lm.forward_batch(nxt[:, None], last[:, None], cache, valid)
             tokens = torch.cat([tokens, nxt[:, None]], 1)  # [B, P + steps]
-            feats.append(fwd.features.to(torch.float16))
+            feats.append(fwd.features.to(torch.float16).cpu())
             tops.append(_top(fwd.logits, top_k))
+        tokens, fed = tokens.cpu(), fed.cpu()
         feats_all = torch.cat(feats, 1)  # [B, P + steps, F]
         ids_all, p_all = torch.cat([t[0] for t in tops], 1), torch.cat([t[1] for t in tops], 1)
         for r, i in enumerate(idx):
@@ -292,10 +297,10 @@ def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], t
         width = len(seqs[order[i]])
         n = max(1, batch_tokens // width)
         idx = order[i : i + n]
-        ids = torch.zeros((len(idx), width), dtype=torch.long)
-        att = torch.zeros((len(idx), width), dtype=torch.long)
+        ids = torch.zeros((len(idx), width), dtype=torch.long, device=model.device)
+        att = torch.zeros((len(idx), width), dtype=torch.long, device=model.device)
         for r, j in enumerate(idx):
-            ids[r, : len(seqs[j])] = torch.tensor(seqs[j])
+            ids[r, : len(seqs[j])] = torch.tensor(seqs[j], device=model.device)
             att[r, : len(seqs[j])] = 1
         res = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
         feats = torch.cat([res.hidden_states[layer + 1] for layer in feature_layers], -1)  # [b, w, 3D]
@@ -305,10 +310,10 @@ def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], t
         for r, j in enumerate(idx):
             n_j = len(seqs[j])
             out[j] = Sequence(
-                tokens=torch.tensor(seqs[j], dtype=torch.int32),
-                feats=feats[r, :n_j].to(torch.float16).clone(),
-                top_ids=top_ids[r, :n_j].to(torch.int32).clone(),
-                top_p=top_probs[r, :n_j].to(torch.float16).clone(),
+                tokens=torch.tensor(seqs[j], dtype=torch.int32, device="cpu"),
+                feats=feats[r, :n_j].to(torch.float16).cpu().clone(),
+                top_ids=top_ids[r, :n_j].to(torch.int32).cpu().clone(),
+                top_p=top_probs[r, :n_j].to(torch.float16).cpu().clone(),
             )
         bar.update(sum(len(seqs[j]) for j in idx))
         i += len(idx)
@@ -318,7 +323,7 @@ def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], t
 
 def draft_vocabulary(seqs: list[Sequence], *, size: int, vocab: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent target tokens (sequence tokens and target top-1 predictions), sorted."""
-    counts = torch.zeros(vocab, dtype=torch.long)
+    counts = torch.zeros(vocab, dtype=torch.long, device="cpu")
     for s in seqs:
         counts += torch.bincount(s.tokens.long(), minlength=vocab)
         counts += torch.bincount(s.top_ids[s.top_p[:, 0] > 0, 0].long(), minlength=vocab)

@@ -83,23 +83,24 @@ class EagleHead(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, H, KV, hd = cfg.hidden, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        dev = embed.device  # the head lives where the target's embeddings live
         self.register_buffer("embed", embed.detach().clone().float(), persistent=False)  # [V, D] frozen target rows
-        self.register_buffer("lm_rows", lm_rows.detach().clone().float())  # [V', D] frozen target LM-head rows
-        self.register_buffer("d2t", d2t.long())  # [V'] draft id -> target id
-        self.fc = nn.Linear(3 * D, D, bias=False)
-        self.fuse = nn.Linear(2 * D, D, bias=False)
-        self.emb_norm = nn.Parameter(torch.ones(D))
-        self.ln1 = nn.Parameter(torch.ones(D))
-        self.q = nn.Linear(D, H * hd, bias=False)
-        self.k = nn.Linear(D, KV * hd, bias=False)
-        self.v = nn.Linear(D, KV * hd, bias=False)
-        self.o = nn.Linear(H * hd, D, bias=False)
-        self.ln2 = nn.Parameter(torch.ones(D))
-        self.gate = nn.Linear(D, cfg.intermediate, bias=False)
-        self.up = nn.Linear(D, cfg.intermediate, bias=False)
-        self.down = nn.Linear(cfg.intermediate, D, bias=False)
-        self.norm = nn.Parameter(torch.ones(D))
-        self.register_buffer("inv_freq", torch.tensor(cfg.rope_theta_inv_freq, dtype=torch.float32), persistent=False)
+        self.register_buffer("lm_rows", lm_rows.detach().float().to(dev, copy=True))  # [V', D] frozen target LM-head rows
+        self.register_buffer("d2t", d2t.long().to(dev))  # [V'] draft id -> target id
+        self.fc = nn.Linear(3 * D, D, bias=False, device=dev)
+        self.fuse = nn.Linear(2 * D, D, bias=False, device=dev)
+        self.emb_norm = nn.Parameter(torch.ones(D, device=dev))
+        self.ln1 = nn.Parameter(torch.ones(D, device=dev))
+        self.q = nn.Linear(D, H * hd, bias=False, device=dev)
+        self.k = nn.Linear(D, KV * hd, bias=False, device=dev)
+        self.v = nn.Linear(D, KV * hd, bias=False, device=dev)
+        self.o = nn.Linear(H * hd, D, bias=False, device=dev)
+        self.ln2 = nn.Parameter(torch.ones(D, device=dev))
+        self.gate = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
+        self.up = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
+        self.down = nn.Linear(cfg.intermediate, D, bias=False, device=dev)
+        self.norm = nn.Parameter(torch.ones(D, device=dev))
+        self.register_buffer("inv_freq", torch.tensor(cfg.rope_theta_inv_freq, dtype=torch.float32, device=dev), persistent=False)
 
     # ------------------------------------------------------------------ building blocks
 
@@ -117,9 +118,9 @@ class EagleHead(nn.Module):
             self.ln2.copy_(last.post_attention_layernorm.weight.float())
             self.norm.copy_(hf_model.model.norm.weight.float())
             self.fc.weight.zero_()
-            self.fc.weight[:, 2 * D :] = torch.eye(D)
+            self.fc.weight[:, 2 * D :] = torch.eye(D, device=self.fc.weight.device)
             self.fuse.weight.normal_(0, 0.02)
-            self.fuse.weight[:, D:] += torch.eye(D)
+            self.fuse.weight[:, D:] += torch.eye(D, device=self.fuse.weight.device)
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [..., T, hd/2]

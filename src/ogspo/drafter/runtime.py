@@ -46,6 +46,7 @@ def load_head(path: Path, *, target_model, target_checksum: str | None = None) -
     embed = target_model.get_input_embeddings().weight
     head = EagleHead(cfg, embed=embed, lm_rows=state["lm_rows"], d2t=state["d2t"])
     head.load_state_dict(state, strict=True)
+    head.to(embed.device)  # the head runs where the target runs
     head.eval()
     return head, meta
 
@@ -58,8 +59,9 @@ class EagleDrafter(TreeDrafter):
         self.drafter_id = drafter_id
         c = head.cfg
         self.feature_layers = c.feature_layers
+        self.device = head.lm_rows.device
         self.cache = KVCache(n_layers=1, kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=max_len,
-                             dtype=torch.float32, device=head.lm_rows.device)
+                             dtype=torch.float32, device=self.device)
         self.back_feats: list[torch.Tensor] = []  # fused features [*, D] waiting for their next token
         self.back_tokens: list[int] = []
         self.node_row = np.zeros(0, dtype=np.int64)
@@ -81,10 +83,11 @@ class EagleDrafter(TreeDrafter):
         n = len(prompt) - 1
         if n > 0:
             start = c.reserve(n)
-            mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril_()  # causal over the prompt
+            dev = self.device
+            mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool, device=dev).tril_()  # causal over the prompt
             with torch.inference_mode():
-                self.head.step(torch.tensor(prompt[1:]), feats[:n], torch.arange(start, start + n), c.keys[0], c.values[0],
-                               start, mask, with_logits=False)
+                self.head.step(torch.tensor(prompt[1:], device=dev), feats[:n], torch.arange(start, start + n, device=dev),
+                               c.keys[0], c.values[0], start, mask, with_logits=False)
             c.commit_prefix(n)
         self.back_feats = [feats[n:]]
         self.back_tokens = []
@@ -96,23 +99,24 @@ class EagleDrafter(TreeDrafter):
         top = logp.topk(k, dim=-1)
         ent = -(logp.exp() * logp).sum(-1)
         return Expansion(
-            tokens=self.head.d2t[top.indices].numpy().astype(np.int64),
-            logq=top.values.double().numpy(),
-            entropy=ent.double().numpy(),
+            tokens=self.head.d2t[top.indices].cpu().numpy().astype(np.int64),
+            logq=top.values.double().cpu().numpy(),
+            entropy=ent.double().cpu().numpy(),
         )
 
     def expand(self, tree: DraftTree, frontier: np.ndarray, k: int) -> Expansion:
-        c = self.cache
+        c, dev = self.cache, self.device
         if len(self.node_row) < len(tree):
             self.node_row = np.concatenate([self.node_row, np.full(len(tree) - len(self.node_row), -1)])
         k = min(k, self.head.cfg.draft_vocab)
         if len(frontier) == 1 and frontier[0] == 0 and c.pending == 0:
             feats = torch.cat(self.back_feats)  # [b, D]
-            toks = torch.tensor(self.back_tokens + [int(tree.tokens[0])])
+            toks = torch.tensor(self.back_tokens + [int(tree.tokens[0])], device=dev)
             b = toks.shape[0]
             start = c.reserve(b)
-            out, logits = self.head.step(toks, feats, torch.arange(start, start + b), c.keys[0], c.values[0], start,
-                                         None if b == 1 else torch.ones(b, start + b, dtype=torch.bool).tril_(start))
+            causal = None if b == 1 else torch.ones(b, start + b, dtype=torch.bool, device=dev).tril_(start)  # [b, start + b]
+            out, logits = self.head.step(toks, feats, torch.arange(start, start + b, device=dev), c.keys[0], c.values[0], start,
+                                         causal)
             c.commit_prefix(b - 1)
             self.back_feats, self.back_tokens = [], []
             self.node_row[0] = c.length
@@ -120,7 +124,7 @@ class EagleDrafter(TreeDrafter):
             return self._expansion(logits[-1:], k)
         w = len(frontier)
         start = c.reserve(w)
-        mask = torch.zeros(w, start + w, dtype=torch.bool)
+        mask = np.zeros((w, start + w), dtype=bool)  # built on the host, sent once
         mask[:, : c.length] = True
         for i, f in enumerate(frontier):
             a = tree.parents[f]
@@ -129,8 +133,9 @@ class EagleDrafter(TreeDrafter):
                 a = tree.parents[a]
             mask[i, start + i] = True
         feat = torch.stack([self.node_out[int(tree.parents[f])] for f in frontier])  # [w, D]
-        pos = torch.from_numpy(c.length + tree.depths[frontier])
-        out, logits = self.head.step(torch.from_numpy(tree.tokens[frontier]), feat, pos, c.keys[0], c.values[0], start, mask)
+        pos = torch.as_tensor(c.length + tree.depths[frontier], device=dev)  # [w]
+        out, logits = self.head.step(torch.as_tensor(tree.tokens[frontier], device=dev), feat, pos, c.keys[0], c.values[0], start,
+                                     torch.as_tensor(mask, device=dev))
         self.node_row[frontier] = start + np.arange(w)
         for i, f in enumerate(frontier):
             self.node_out[int(f)] = out[i]
@@ -140,10 +145,10 @@ class EagleDrafter(TreeDrafter):
         path = accepted_path(obs)
         row_of = np.full(len(obs.tree), -1, dtype=np.int64)
         row_of[obs.verified] = np.arange(len(obs.verified))
-        feats = self._features(obs.target, torch.from_numpy(row_of[path]))  # [k+1, D]
+        feats = self._features(obs.target, torch.as_tensor(row_of[path], device=self.device))  # [k+1, D]
         forwarded = len(self.node_row) > 0 and self.node_row[0] >= 0
         if forwarded:  # keep the root row (built from real features), re-encode the accepted tokens
-            self.cache.commit(torch.tensor([int(self.node_row[0])]))
+            self.cache.commit(torch.tensor([int(self.node_row[0])], device=self.device))
             self.back_feats, self.back_tokens = [feats], []
         else:  # nothing drafted this cycle: the root completes the waiting pair
             self.cache.commit(None)

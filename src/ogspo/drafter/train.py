@@ -127,16 +127,20 @@ def batch_at(batches: list[np.ndarray], step: int, seed: int) -> np.ndarray:
     return batches[order[k]]
 
 
-def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int):
+def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int, device: torch.device):
+    """A training batch of `windows`, built on the CPU (where the data lives) and sent to `device`:
+    (features [B, T, 3D], next tokens [B, T], draft ids [B, T, K], target probs [B, T, K], valid [B, T],
+    target top-1 [B, T])."""
     B = len(windows)
     seq_len = max(min(seq_len, len(seqs[i].tokens) - 1 - a) for i, a in windows)  # trim padding
     D3 = seqs[0].feats.shape[1]
     K = seqs[0].top_ids.shape[1]
-    feats = torch.zeros(B, seq_len, D3)
-    nxt = torch.zeros(B, seq_len, dtype=torch.long)
-    tid = torch.zeros(B, seq_len, K, dtype=torch.long)
-    tp = torch.zeros(B, seq_len, K)
-    valid = torch.zeros(B, seq_len, dtype=torch.bool)
+    cpu = torch.device("cpu")
+    feats = torch.zeros(B, seq_len, D3, device=cpu)
+    nxt = torch.zeros(B, seq_len, dtype=torch.long, device=cpu)
+    tid = torch.zeros(B, seq_len, K, dtype=torch.long, device=cpu)
+    tp = torch.zeros(B, seq_len, K, device=cpu)
+    valid = torch.zeros(B, seq_len, dtype=torch.bool, device=cpu)
     for b, (i, a) in enumerate(windows):
         s = seqs[i]
         n = min(seq_len, len(s.tokens) - 1 - a)
@@ -148,17 +152,18 @@ def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int):
     valid &= tp.sum(-1) > 0  # prompt positions carry no target distribution
     did = t2d[tid]  # [B, T, K] draft ids, -1 outside the draft vocabulary
     tp = tp * (did >= 0)
-    return feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]
+    return tuple(t.to(device) for t in (feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]))
 
 
 def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
     feats, nxt, did, tp, valid, top1 = batch
-    outs = head.forward_train(feats, nxt, steps)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=feats.device.type == "cuda"):  # bf16 matmuls on CUDA
+        outs = head.forward_train(feats, nxt, steps)
     total, losses, accs = 0.0, [], []
     for j, logits in enumerate(outs, start=1):
         m = valid.clone()
         m[:, : j - 1] = False  # no root before t - j + 1
-        logq = F.log_softmax(logits, -1)  # [B, T, V']
+        logq = F.log_softmax(logits.float(), -1)  # [B, T, V']
         ce = -(tp * logq.gather(-1, did)).sum(-1)  # [B, T]
         loss = (ce * m).sum() / m.sum().clamp(min=1)
         total = total + (decay ** (j - 1)) * loss
@@ -176,7 +181,7 @@ def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: di
     head.train()
     bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
     for step in bar:
-        batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"])
+        batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"], head.d2t.device)
         loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -200,7 +205,8 @@ def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch
     with torch.no_grad():
         vl, va, nb = np.zeros(cfg["ttt_steps"]), np.zeros(cfg["ttt_steps"]), 0
         for b in token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens):
-            _, losses, accs = ttt_loss(head, make_batch(seqs, val[b], t2d, cfg["seq_len"]), cfg["ttt_steps"], cfg["ttt_decay"])
+            batch = make_batch(seqs, val[b], t2d, cfg["seq_len"], head.d2t.device)
+            _, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
             vl += losses
             va += accs
             nb += 1
@@ -243,8 +249,8 @@ def train_drafter(
     data_s = time.perf_counter() - t0
 
     d2t = draft_vocabulary(seqs, size=head_cfg.draft_vocab, vocab=head_cfg.vocab, always=[tokenizer.eos_token_id])
-    t2d = torch.full((head_cfg.vocab,), -1, dtype=torch.long)
-    t2d[d2t] = torch.arange(len(d2t))
+    t2d = torch.full((head_cfg.vocab,), -1, dtype=torch.long, device="cpu")  # indexes the CPU-side data
+    t2d[d2t] = torch.arange(len(d2t), device="cpu")
     head = EagleHead(head_cfg, embed=model.get_input_embeddings().weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t)
     head.init_from_target(model)
     del model

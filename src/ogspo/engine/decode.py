@@ -12,7 +12,7 @@ import torch
 
 from .drafters import Observation, TreeDrafter
 from .policies import CycleContext, StopHook, TreePolicy
-from .target import ForwardOut, TreeLM
+from .target import ForwardOut, TreeLM, synchronize
 from .tree import DraftTree, ancestor_matrix
 from .verify import (
     CycleRandom,
@@ -125,7 +125,7 @@ class SpeculativeEngine:
     def _first_token(self, logits: torch.Tensor, seed: int) -> int:
         if self.temperature == 0:
             return int(logits.argmax())
-        p = target_probs(logits[None], temperature=self.temperature, top_p=self.top_p)[0]
+        p = target_probs(logits[None].cpu(), temperature=self.temperature, top_p=self.top_p)[0]  # [V]
         return sample_inverse_cdf(p, CycleRandom.from_seed(cycle_seed(seed, 0)).bonus[0])
 
     def generate(
@@ -167,17 +167,20 @@ class SpeculativeEngine:
 
     def _cycle(self, root: int, ctx: CycleContext) -> tuple[CycleStats, list[int]]:
         t0 = time.perf_counter()
-        cache = self.target.cache
+        cache, dev = self.target.cache, self.target.device
         draft = self.policy.draft(self.drafter, root, ctx, stop_hook=self.stop_hook)
         tree = draft.drafted
         if len(draft.verified) < len(tree):
             tree, _ = tree.subset(draft.verified)
         n = len(tree)
         L = cache.length
-        positions = torch.from_numpy(L + tree.depths)
-        attend = None if n == 1 else torch.from_numpy(ancestor_matrix(tree.parents, tree.depths))
+        positions = torch.as_tensor(L + tree.depths, device=dev)  # [n]
+        attend = None if n == 1 else torch.as_tensor(ancestor_matrix(tree.parents, tree.depths), device=dev)  # [n, n]
+        tokens = torch.as_tensor(tree.tokens, device=dev)  # [n]
+        synchronize(dev)
         t1 = time.perf_counter()
-        fwd = self.target.forward(torch.from_numpy(tree.tokens), positions, attend)
+        fwd = self.target.forward(tokens, positions, attend)
+        synchronize(dev)
         t2 = time.perf_counter()
         seed = cycle_seed(ctx.request_seed, ctx.index)
         verdict: Verdict
@@ -188,7 +191,7 @@ class SpeculativeEngine:
                 tree, fwd.logits, CycleRandom.from_seed(seed), temperature=self.temperature, top_p=self.top_p
             )
         path = np.asarray(verdict.path, dtype=np.int64)
-        cache.commit(torch.from_numpy(L + path))
+        cache.commit(torch.as_tensor(L + path, device=dev))
         committed = [int(t) for t in tree.tokens[path[1:]]] + [verdict.bonus]
         if self.drafter is not None:
             mask = np.zeros(len(draft.drafted), dtype=bool)
@@ -198,6 +201,7 @@ class SpeculativeEngine:
                     tree=draft.drafted, accept_mask=mask, committed=committed, target=fwd, verified=draft.verified
                 )
             )
+        synchronize(dev)
         t3 = time.perf_counter()
         stats = CycleStats(
             draft_seconds=draft.level_seconds,
@@ -232,10 +236,11 @@ class SpeculativeEngine:
     def _prefill(self, prompt: list[int]) -> ForwardOut:
         """Fill the target cache with the prompt and begin the drafter; returns the target's output
         (logits of the last position, features of every position)."""
-        cache = self.target.cache
+        cache, dev = self.target.cache, self.target.device
         cache.reset()
         L = len(prompt)
-        pre = self.target.forward(torch.tensor(prompt), torch.arange(L), None, logits_rows=torch.tensor([L - 1]))
+        pre = self.target.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None,
+                                  logits_rows=torch.tensor([L - 1], device=dev))
         cache.commit_prefix(L)
         self.policy.begin(list(prompt))
         if self.drafter is not None:

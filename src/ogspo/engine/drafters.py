@@ -62,9 +62,9 @@ def _topk_from_logits(logits: torch.Tensor, k: int) -> Expansion:
     top = logp.topk(k, dim=-1)
     ent = -(logp.exp() * logp).sum(-1)
     return Expansion(
-        tokens=top.indices.numpy().astype(np.int64),
-        logq=top.values.double().numpy(),
-        entropy=ent.double().numpy(),
+        tokens=top.indices.cpu().numpy().astype(np.int64),
+        logq=top.values.double().cpu().numpy(),
+        entropy=ent.double().cpu().numpy(),
     )
 
 
@@ -84,38 +84,38 @@ class LMDrafter(TreeDrafter):
         self.node_row = np.zeros(0, dtype=np.int64)
 
     def expand(self, tree: DraftTree, frontier: np.ndarray, k: int) -> Expansion:
-        c = self.lm.cache
+        c, dev = self.lm.cache, self.lm.device
         if len(self.node_row) < len(tree):
             self.node_row = np.concatenate([self.node_row, np.full(len(tree) - len(self.node_row), -1)])
         if len(frontier) == 1 and frontier[0] == 0 and c.pending == 0:
             # first level: catch up on the backlog and forward the root in one pass
-            toks = torch.tensor(self.backlog + [int(tree.tokens[0])])
+            toks = torch.tensor(self.backlog + [int(tree.tokens[0])], device=dev)
             b = len(self.backlog)
-            pos = torch.arange(c.length, c.length + b + 1)
-            out = self.lm.forward(toks, pos, None, logits_rows=torch.tensor([b]))
+            pos = torch.arange(c.length, c.length + b + 1, device=dev)
+            out = self.lm.forward(toks, pos, None, logits_rows=torch.tensor([b], device=dev))
             c.commit_prefix(b)
             self.backlog = []
             self.node_row[0] = c.length
             return _topk_from_logits(out.logits, k)
         w = len(frontier)
         pend = c.pending
-        attend = torch.zeros(w, pend + w, dtype=torch.bool)
+        attend = np.zeros((w, pend + w), dtype=bool)  # built on the host, sent once
         for i, f in enumerate(frontier):
             a = tree.parents[f]
             while a >= 0:
                 attend[i, self.node_row[a] - c.length] = True
                 a = tree.parents[a]
             attend[i, pend + i] = True
-        pos = torch.from_numpy(c.length + tree.depths[frontier])
+        pos = torch.as_tensor(c.length + tree.depths[frontier], device=dev)  # [w]
         self.node_row[frontier] = c.end + np.arange(w)
-        out = self.lm.forward(torch.from_numpy(tree.tokens[frontier]), pos, attend)
+        out = self.lm.forward(torch.as_tensor(tree.tokens[frontier], device=dev), pos, torch.as_tensor(attend, device=dev))
         return _topk_from_logits(out.logits, k)
 
     def observe(self, obs: Observation) -> None:
         path = accepted_path(obs)
         rows = self.node_row[path] if len(self.node_row) >= len(obs.tree) else np.full(len(path), -1)
         n_cached = int(np.argmax(rows < 0)) if (rows < 0).any() else len(path)
-        self.lm.cache.commit(torch.from_numpy(rows[:n_cached]) if n_cached else None)
+        self.lm.cache.commit(torch.as_tensor(rows[:n_cached], device=self.lm.device) if n_cached else None)
         self.backlog.extend(int(t) for t in obs.tree.tokens[path[n_cached:]])
         self.node_row = np.zeros(0, dtype=np.int64)
 

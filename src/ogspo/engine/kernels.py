@@ -107,7 +107,7 @@ class Weight:
             x2 = x.reshape(-1, self.in_features)
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
-            return torch.from_numpy(x2.numpy() @ self.w_np).view(*x.shape[:-1], self.out_features)
+            return torch.as_tensor(x2.numpy() @ self.w_np, device="cpu").view(*x.shape[:-1], self.out_features)
         if kernel.startswith("native"):
             return self.packed.matmul(x, int(kernel[len("native") :]))
         raise ValueError(f"unknown kernel '{kernel}'")
@@ -260,7 +260,7 @@ class Matmul:
         w = self.weights[layer]
         if pad == rows:
             return w.apply(kernel, x)
-        x2 = torch.zeros(pad, x.shape[-1], dtype=x.dtype)  # [pad, in]
+        x2 = torch.zeros(pad, x.shape[-1], dtype=x.dtype, device=x.device)  # [pad, in]
         x2[:rows] = x.reshape(rows, -1)
         return w.apply(kernel, x2)[:rows].view(*x.shape[:-1], w.out_features)
 
@@ -295,12 +295,12 @@ def _layer_ops_runner(name: str, shape: list[int], n_layers: int, eps: float, co
     keys = [torch.randn(1, KV, max_len, hd, generator=g) for _ in range(n_layers)]
     values = [torch.randn(1, KV, max_len, hd, generator=g) for _ in range(n_layers)]
     cos, sin = torch.randn(max_len, hd, generator=g), torch.randn(max_len, hd, generator=g)
-    ln = torch.ones(dim)
+    ln = torch.ones(dim, device="cpu")
     inputs = {}
     for m in rows:
-        attend = None if m == 1 else torch.ones(m, m, dtype=torch.bool).tril_()  # a chain: every row sees its ancestors
-        mask = None if m == 1 else torch.cat([torch.ones(m, context, dtype=torch.bool), attend], 1)[None, None]  # [1, 1, m, end]
-        step = Step(positions=torch.arange(context, context + m)[None], start=context, committed=context, attend=attend,
+        attend = None if m == 1 else torch.ones(m, m, dtype=torch.bool, device="cpu").tril_()  # a chain: every row sees its ancestors
+        mask = None if m == 1 else torch.cat([torch.ones(m, context, dtype=torch.bool, device="cpu"), attend], 1)[None, None]  # [1, 1, m, end]
+        step = Step(positions=torch.arange(context, context + m, device="cpu")[None], start=context, committed=context, attend=attend,
                     mask=mask, cos_table=cos, sin_table=sin)
         inputs[m] = (step, torch.randn(1, m, dim, generator=g), 0.01 * torch.randn(1, m, dim, generator=g),
                      torch.randn(1, m, (H + 2 * KV) * hd, generator=g), torch.randn(1, m, 2 * inter, generator=g))
@@ -351,7 +351,7 @@ def _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_r
         for k in candidates:
             try:
                 wts = [Weight(w, {k}) for w in ws]
-                wts[0].apply(k, torch.zeros(2, ws[0].shape[1]))
+                wts[0].apply(k, torch.zeros(2, ws[0].shape[1], device="cpu"))
             except (RuntimeError, ValueError) as err:
                 unavailable[k] = str(err).splitlines()[0]
                 continue

@@ -134,7 +134,7 @@ class NativeLayerOps:
             qkv = qkv.contiguous()
         H, KV, hd = self.H, self.KV, self.hd
         positions, attend = step.row_inputs  # computed once per forward
-        out = torch.empty(1, m, H * hd, dtype=torch.float32)
+        out = torch.empty(1, m, H * hd, dtype=torch.float32, device="cpu")
         self._lib.ogspo_rope_attention(
             qkv.data_ptr(), None if bias is None else bias.data_ptr(), positions.data_ptr(), step.cos_table.data_ptr(),
             step.sin_table.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], step.start, step.committed,
@@ -146,7 +146,7 @@ class NativeLayerOps:
         if not gu.is_contiguous():
             gu = gu.contiguous()
         inter = gu.shape[-1] // 2
-        a = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
+        a = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32, device="cpu")
         self._lib.ogspo_silu_mul(gu.data_ptr(), a.data_ptr(), gu.numel() // gu.shape[-1], inter)
         return a
 

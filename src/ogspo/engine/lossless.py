@@ -42,7 +42,8 @@ def compare_greedy(
     if i >= n:  # one is a prefix of the other (e.g. one stopped at EOS): not a tie
         return LosslessReport(equal=False, first_mismatch=i, margin=float("inf"))
     with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + reference[:i]])).logits[0, -1].double()
+        ids = torch.tensor([prompt + reference[:i]], device=hf_model.device)  # [1, L + i]
+        logits = hf_model(ids).logits[0, -1].double()
     top = logits.topk(2)
     margin = float(top.values[0] - top.values[1])
     runner_up = int(top.indices[1]) == candidate[i]

@@ -28,6 +28,13 @@ from .layer_ops import TORCH, Step, TorchLayerOps, make_layer_ops
 LLAMA_LIKE = {"llama", "mistral", "qwen2"}
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: every timed region that feeds the latency model, records or
+    evaluation ends with this (CUDA runs asynchronously; on the CPU it is a no-op)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class ForwardOut:
     logits: torch.Tensor  # [m, vocab]
@@ -117,13 +124,13 @@ class TreeLM:
         if attend is None:
             if m == 1:
                 return None
-            attend = torch.ones(m, c.pending + m, dtype=torch.bool).tril_(c.pending)
-        head = torch.ones(m, c.length, dtype=torch.bool)
+            attend = torch.ones(m, c.pending + m, dtype=torch.bool, device=self.device).tril_(c.pending)
+        head = torch.ones(m, c.length, dtype=torch.bool, device=self.device)
         return torch.cat([head, attend], dim=1)
 
 
 def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
-    pos = torch.arange(max_len, dtype=torch.float32)
+    pos = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)
     freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_len, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, hd]
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
@@ -269,8 +276,8 @@ class LlamaTreeLM(TreeLM):
         [B, m, n_feat * dim]. A padding row attends to itself only, so every row stays finite."""
         B, m = tokens.shape
         start = cache.length
-        new = torch.ones(m, m, dtype=torch.bool).tril_() & valid[:, None, start : start + m]  # [B, m, m]
-        new |= torch.eye(m, dtype=torch.bool)
+        new = torch.ones(m, m, dtype=torch.bool, device=self.device).tril_() & valid[:, None, start : start + m]  # [B, m, m]
+        new |= torch.eye(m, dtype=torch.bool, device=self.device)
         mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]
         step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin)
         x = F.embedding(tokens, self.embed)  # [B, m, dim]
@@ -351,9 +358,9 @@ class HFTreeLM(TreeLM):
         m = tokens.shape[0]
         mask = self.full_mask(attend, m)
         if mask is None:
-            mask = torch.ones(1, c.end + 1, dtype=torch.bool)
+            mask = torch.ones(1, c.end + 1, dtype=torch.bool, device=self.device)
         c.reserve(m)
-        bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, torch.finfo(self.dtype).min)
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
         out = self.hf_model.model(
             input_ids=tokens[None],
             attention_mask=bias[None, None],  # [1, 1, m, end]

@@ -70,7 +70,7 @@ def target_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """Greedy verification: logits [n, vocab], one row per tree node."""
-    argmax = logits.argmax(dim=-1).numpy()  # [n]
+    argmax = logits.argmax(dim=-1).cpu().numpy()  # [n] (the argmax runs where the logits are)
     parents = tree.parents
     matches = np.zeros(len(tree), dtype=bool)
     matches[1:] = tree.tokens[1:] == argmax[parents[1:]]
@@ -90,7 +90,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 def sample_inverse_cdf(p: torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from probability vector p with uniform u."""
     cdf = p.cumsum(0)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)).item())
     return min(idx, p.shape[0] - 1)
 
 
@@ -103,7 +103,7 @@ def verify_stochastic(
     path = [0]
     cur = 0
     while True:
-        p = target_probs(logits[cur : cur + 1], temperature=temperature, top_p=top_p)[0]
+        p = target_probs(logits[cur : cur + 1].cpu(), temperature=temperature, top_p=top_p)[0]  # [V] on the CPU: one copy, then scalar reads
         depth = int(tree.depths[cur])
         accepted = -1
         for child in kids[cur]:

@@ -38,7 +38,7 @@ from ogspo.engine import kernels as K
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.policies import StaticTree
-from ogspo.engine.target import LlamaTreeLM, TreeLM
+from ogspo.engine.target import LlamaTreeLM, TreeLM, synchronize
 from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix
 
 # Rank-path order of the bushy trees timed for t_verify: the first n-1 nodes of this template in
@@ -48,7 +48,7 @@ HELD_OUT_SIZES = (5, 11, 20, 40, 80)
 HELD_OUT_CONTEXTS = (256, 600)
 
 
-def bushy_tree(n: int, context_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def bushy_tree(n: int, context_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(positions [n], attend [n, n] ancestor mask or None, depths) of a bushy tree of n nodes."""
     if n < 1 or n - 1 > len(BUSHY_TEMPLATE):
         raise ValueError(f"tree size {n} outside 1..{len(BUSHY_TEMPLATE) + 1}")
@@ -56,13 +56,8 @@ def bushy_tree(n: int, context_length: int) -> tuple[torch.Tensor, torch.Tensor,
     index = {tuple(p): i for i, p in enumerate(paths)}
     parents = np.array([-1] + [index[tuple(p[:-1])] for p in paths[1:]], dtype=np.int64)
     depths = np.array([len(p) for p in paths], dtype=np.int64)
-    attend = None if n == 1 else torch.from_numpy(ancestor_matrix(parents, depths))  # [n, n]
-    return torch.from_numpy(context_length + depths), attend, depths
-
-
-def _sync(device) -> None:
-    if torch.cuda.is_available() and str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+    attend = None if n == 1 else torch.as_tensor(ancestor_matrix(parents, depths), device=device)  # [n, n]
+    return torch.as_tensor(context_length + depths, device=device), attend, depths
 
 
 def _device_name(device) -> str:
@@ -78,15 +73,15 @@ def _device_name(device) -> str:
 
 
 def _time_verify(target: TreeLM, n: int, L: int, rng: np.random.Generator) -> float:
-    positions, attend, _ = bushy_tree(n, L)
-    tokens = torch.from_numpy(rng.integers(0, target.vocab_size, n))  # [n]
+    dev = target.device
+    positions, attend, _ = bushy_tree(n, L, dev)
+    tokens = torch.as_tensor(rng.integers(0, target.vocab_size, n), device=dev)  # [n]
     cache = target.cache
     cache.length, cache.pending = L, 0  # the committed rows hold a real prefix (see _fill_cache)
-    dev = target.device
-    _sync(dev)
+    synchronize(dev)
     t0 = time.perf_counter()
     target.forward(tokens, positions, attend)
-    _sync(dev)
+    synchronize(dev)
     dt = time.perf_counter() - t0
     cache.commit(None)
     return dt
@@ -97,10 +92,11 @@ def _fill_cache(target: TreeLM, L: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     cache = target.cache
     cache.reset()
-    toks = torch.from_numpy(rng.integers(0, target.vocab_size, L))
+    dev = target.device
+    toks = torch.as_tensor(rng.integers(0, target.vocab_size, L), device=dev)  # [L]
     for s in range(0, L, 256):  # chunked prefill keeps the mask small
         e = min(L, s + 256)
-        target.forward(toks[s:e], torch.arange(s, e), None, logits_rows=torch.tensor([e - s - 1]))
+        target.forward(toks[s:e], torch.arange(s, e, device=dev), None, logits_rows=torch.tensor([e - s - 1], device=dev))
         cache.commit_prefix(e - s)
 
 
@@ -132,10 +128,10 @@ def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre,
             parents=np.zeros(kmax, dtype=np.int64), tokens=toks, ranks=np.arange(kmax),
             logq=np.zeros(kmax), entropy=np.zeros(kmax),
         )
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         drafter.expand(tree, kids[:w], kmax)
-        _sync(dev)
+        synchronize(dev)
         return time.perf_counter() - t0
 
     return _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng)
@@ -187,9 +183,10 @@ def calibrate_latency(
     prompt_len = min(contexts[0], 128)
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
     target.cache.reset()
-    pre = target.forward(torch.tensor(prompt), torch.arange(prompt_len), None, logits_rows=torch.tensor([prompt_len - 1]))
-    target.cache.commit_prefix(prompt_len)
     dev = target.device
+    pre = target.forward(torch.tensor(prompt, device=dev), torch.arange(prompt_len, device=dev), None,
+                         logits_rows=torch.tensor([prompt_len - 1], device=dev))
+    target.cache.commit_prefix(prompt_len)
     draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=dev)
 
     # ---- t_fixed from real engine cycles

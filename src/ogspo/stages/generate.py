@@ -43,12 +43,14 @@ def generate_text(
     drafter_path: Path | None = None,
     max_len: int = 4096,
     kernels=None,
+    device: str = "cpu",
+    dtype: str | None = None,
     stream: Callable[[str], None] | None = None,
 ) -> GenerateResult:
 
 
     policy = make_policy(method, **(policy_args or {}))  # validate before loading the model
-    model, tokenizer = load_target(model_dir)
+    model, tokenizer = load_target(model_dir, dtype=dtype, device=device)
     ids = encode_prompt(tokenizer, prompt, chat=chat)
     draft = None
     if method != "ar":

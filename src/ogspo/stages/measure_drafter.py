@@ -7,17 +7,19 @@ bonus included, and complete-request throughput)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import torch
 from tqdm.auto import tqdm
 
+from ogspo.artifacts.io import write_text
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import Autoregressive, DynamicTree, chain
+from ogspo.engine.target import synchronize
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.registry import make_drafter, make_target
 from ogspo.stages.model import load_target, model_checksum
@@ -60,12 +62,10 @@ def eval_prompts(workloads_dir: Path, tokenizer, n: int) -> dict[str, list[list[
 
 def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: int = 20) -> dict[int, float]:
     """Median ms of one drafter level over w frontier nodes, from a real drafting state."""
-    import torch
-
-
     L = len(prompt)
+    dev = target.device
     target.cache.reset()
-    pre = target.forward(torch.tensor(prompt), torch.arange(L), None)
+    pre = target.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None)
     target.cache.commit_prefix(L)
     out: dict[int, list[float]] = {w: [] for w in widths}
     for r in range(reps + 2):
@@ -77,8 +77,10 @@ def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: i
         for w in widths:  # each width expands a fresh set of depth-1 nodes: discard pending rows between
             drafter.begin(prompt, pre)
             drafter.expand(DraftTree.from_root(int(tree.tokens[0])), np.array([0]), 1)
+            synchronize(dev)
             t0 = time.perf_counter()
             drafter.expand(tree, kids[:w], 4)
+            synchronize(dev)
             if r >= 2:
                 out[w].append((time.perf_counter() - t0) * 1e3)
     return {w: float(np.median(v)) for w, v in out.items()}
@@ -96,10 +98,11 @@ def measure_drafter(
     chain_depth: int = 6,
     seed: int = 0,
     kernels=None,
+    device: str = "cpu",
 ) -> MeasureResult:
-
+    """Acceptance and speed of the trained head on held-out prompts, on `device`."""
     t_start = time.perf_counter()
-    model, tok = load_target(model_dir)
+    model, tok = load_target(model_dir, device=device)
     drafter = make_drafter("eagle", target_model=model, max_len=2048, path=drafter_dir, target_checksum=model_checksum(model_dir))
     target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
     prompts = eval_prompts(workloads_dir, tok, prompts_per_workload)
@@ -145,11 +148,8 @@ def measure_drafter(
 def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
     data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
             "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens}
-    for path, text in [(out_json, json.dumps(data, indent=1)), (out_md, render_markdown(result))]:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_text(out_json, json.dumps(data, indent=1))
+    write_text(out_md, render_markdown(result))
 
 
 def render_markdown(result: MeasureResult) -> str:

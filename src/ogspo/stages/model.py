@@ -193,12 +193,13 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(check_model_dir(path)))
 
 
-def load_target(path: Path, *, dtype: str = "float32", device: str = "cpu"):
-    """Load a prepared model folder: returns ``(model, tokenizer)``, model in eval mode on ``device``."""
+def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
+    """Load a prepared model folder: returns ``(model, tokenizer)``, model in eval mode on ``device``, in
+    ``dtype`` (default: the dtype the folder was prepared in, config key `dtype` of prepare_model)."""
     from transformers import AutoModelForCausalLM
 
     path = check_model_dir(path)
-    torch_dtype = _torch_dtype(dtype)
+    torch_dtype = _torch_dtype(dtype or read_manifest(path).get("dtype", "float32"))
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     model.to(device)

@@ -89,9 +89,9 @@ def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> d
     paths = node_rank_paths(tree.parents, tree.ranks)
     logits = trace.logits.double()  # [n, V]
     logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)  # [n, V]
-    par = torch.from_numpy(tree.parents[1:])  # [n-1]
-    tok = torch.from_numpy(tree.tokens[1:])  # [n-1]
-    tlogp = logp[par, tok].numpy()  # [n-1]
+    par = torch.as_tensor(tree.parents[1:], device=logp.device)  # [n-1]
+    tok = torch.as_tensor(tree.tokens[1:], device=logp.device)  # [n-1]
+    tlogp = logp[par, tok].cpu().numpy()  # [n-1]
     return {
         "request_id": [rid] * (n - 1),
         "cycle": [trace.index] * (n - 1),

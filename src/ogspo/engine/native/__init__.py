@@ -130,7 +130,7 @@ class PackedWeight:
         self.out_features, self.in_features = w.shape
         pw = lib.ogspo_panel_width()
         panels = -(-self.out_features // pw)
-        self.data = torch.empty(panels * self.in_features * pw + 16, dtype=torch.float32)  # +16: room to align
+        self.data = torch.empty(panels * self.in_features * pw + 16, dtype=torch.float32, device="cpu")  # +16: room to align
         offset = ((-self.data.data_ptr()) % 64) // 4  # floats to the next 64-byte boundary: aligned vector loads
         self.data = self.data[offset : offset + panels * self.in_features * pw]
         lib.ogspo_pack(w.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
@@ -142,6 +142,6 @@ class PackedWeight:
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [rows, out]
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device="cpu")  # [rows, out]
         self._lib.ogspo_gemm(x2.data_ptr(), x2.shape[0], self.in_features, self.data.data_ptr(), self.out_features, y.data_ptr(), threads)
         return y.view(*shape[:-1], self.out_features)
