@@ -16,9 +16,10 @@ rule calibrate_latency:
         f"{RESULTS}/logs/calibrate_latency.log",
     benchmark:
         f"{RESULTS}/benchmarks/calibrate_latency.tsv"
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=6000,
+        mem_mb=model_mem_mb(4000),
+        gpu=GPU,
         runtime=30,
     conda:
         "../envs/torch.yaml"

@@ -18,7 +18,8 @@ rule train_drafter:
         f"{RESULTS}/benchmarks/train_drafter.tsv"
     threads: 2
     resources:
-        mem_mb=8000,
+        mem_mb=model_mem_mb(6000),
+        gpu=GPU,
         runtime=60,
     conda:
         "../envs/torch.yaml"
@@ -43,9 +44,10 @@ rule measure_drafter:
         f"{RESULTS}/logs/measure_drafter.log",
     benchmark:
         f"{RESULTS}/benchmarks/measure_drafter.tsv"
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=4000,
+        mem_mb=model_mem_mb(2000),
+        gpu=GPU,
         runtime=60,
     conda:
         "../envs/torch.yaml"

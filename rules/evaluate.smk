@@ -39,9 +39,10 @@ rule tune_eagle:
         f"{RESULTS}/logs/tune_eagle/T{{temperature}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/tune_eagle_T{{temperature}}.tsv"
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=4000,
+        mem_mb=model_mem_mb(2000),
+        gpu=GPU,
         runtime=30,
     conda:
         "../envs/torch.yaml"
@@ -72,9 +73,10 @@ rule evaluate:
         f"{RESULTS}/logs/evaluate.log",
     benchmark:
         f"{RESULTS}/benchmarks/evaluate.tsv"
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=6000,
+        mem_mb=model_mem_mb(4000),
+        gpu=GPU,
         runtime=60,
     conda:
         "../envs/torch.yaml"

@@ -15,9 +15,10 @@ rule calibrate_kernels:
         f"{RESULTS}/logs/calibrate_kernels.log",
     benchmark:
         f"{RESULTS}/benchmarks/calibrate_kernels.tsv"
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=6000,
+        mem_mb=model_mem_mb(4000),
+        gpu=GPU,
         runtime=15,
     conda:
         "../envs/torch.yaml"

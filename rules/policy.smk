@@ -31,9 +31,10 @@ rule ogspo_rounds:
         f"{RESULTS}/logs/ogspo_rounds/T{{temperature}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/ogspo_rounds_T{{temperature}}.tsv"
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=6000,
+        mem_mb=model_mem_mb(4000),
+        gpu=GPU,
         runtime=60,
     conda:
         "../envs/torch.yaml"

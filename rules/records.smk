@@ -19,9 +19,10 @@ rule collect_records:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{RESULTS}/logs/collect_records/{{workload}}-T{{temperature}}.log",
-    threads: 2
+    threads: TIMING_THREADS
     resources:
-        mem_mb=6000,
+        mem_mb=model_mem_mb(4000),
+        gpu=GPU,
         runtime=60,
     conda:
         "../envs/torch.yaml"

@@ -40,7 +40,7 @@ def test_misspelt_key(base):
     msg = error_of(base)
     assert msg.startswith("config error at 'modle': unknown key")
     assert "did you mean 'model'" in msg
-    assert "allowed keys: baselines, device, drafter, dtype, evaluate, kernels, latency, measure_drafter, model, policy, records, rounds, seed, solve, torch_device, workloads" in msg
+    assert "allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, model, policy, records, rounds, seed, solve, torch_device, workloads" in msg
 
 
 def test_misspelt_nested_key(base):
@@ -136,3 +136,55 @@ def test_snakemake_cluster_profile_dry_runs():
     proc = _snakemake("--profile", "cluster", "-n")
     assert proc.returncode == 0, proc.stderr
     assert "results/h200/model" in proc.stdout + proc.stderr
+
+
+# Rules that run the target model: on CUDA each needs the GPU; every other rule runs on CPUs only
+# (data preparation, the SCIP solver, the small policy and router heads, the report).
+MODEL_RULES = {"calibrate_kernels", "train_drafter", "measure_drafter", "calibrate_latency", "collect_records",
+               "ogspo_rounds", "tune_eagle", "evaluate"}
+
+
+def _dry_run_resources(stdout: str) -> dict[str, list[dict[str, str]]]:
+    """rule -> the `resources:` of each of its planned jobs, read from a dry run's job listing."""
+    jobs: dict[str, list[dict[str, str]]] = {}
+    rule = None
+    for line in stdout.splitlines():
+        if line.startswith(("rule ", "localrule ")) and line.endswith(":"):
+            rule = line.split()[1][:-1]
+        elif rule is not None and line.strip().startswith("resources:"):
+            pairs = [p.split("=", 1) for p in line.split(":", 1)[1].split(", ")]
+            jobs.setdefault(rule, []).append({k.strip(): v.strip() for k, v in pairs})
+            rule = None
+    return jobs
+
+
+def test_cluster_profile_asks_a_gpu_for_every_model_rule_and_none_for_the_others(tmp_path):
+    fresh = tmp_path / "fresh.yaml"
+    fresh.write_text(f"device: dry-{tmp_path.name}\n")  # no results yet: every rule is planned
+    proc = _snakemake("--profile", "cluster", "-n", "--configfile", str(fresh))
+    assert proc.returncode == 0, proc.stderr
+    jobs = _dry_run_resources(proc.stdout)
+    assert MODEL_RULES < set(jobs) and {"solve_oracle", "train_policy_only", "train_routing", "report"} < set(jobs)
+    for rule, per_job in jobs.items():
+        for res in per_job:
+            if rule in MODEL_RULES:
+                assert (res.get("gpu"), res.get("gpu_model"), res.get("slurm_partition")) == ("1", "h200", "gpu"), (rule, res)
+            else:
+                assert not {"gpu", "gpu_model", "gres", "cpus_per_gpu"} & set(res) and res["slurm_partition"] == "cpu", (rule, res)
+
+
+@pytest.mark.parametrize("profile, torch_device, dtype", [("profiles/h200", "cuda", "bfloat16"), ("profiles/cpu", "cpu", "float32")])
+def test_device_profile_survives_a_user_configfile(tmp_path, profile, torch_device, dtype):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"device: dry-{tmp_path.name}\nevaluate:\n  max_new_tokens: 20\n")
+    proc = _snakemake("--profile", profile, "-n", "-p", "--configfile", str(mine))
+    assert proc.returncode == 0, proc.stderr
+    assert f'"torch_device": "{torch_device}"' in proc.stdout and f'"dtype": "{dtype}"' in proc.stdout
+    assert '"max_new_tokens": 20' in proc.stdout and f"results/dry-{tmp_path.name}/" in proc.stdout
+    assert ("gpu=1" in proc.stdout) == (torch_device == "cuda")
+
+
+def test_unknown_device_profile_is_one_line():
+    proc = _snakemake("-n", "--config", "device_profile=nope")
+    assert proc.returncode != 0
+    assert "config error at 'device_profile': no config/devices/nope.yaml; allowed: cpu, h200" in proc.stderr.splitlines()
