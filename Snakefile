@@ -6,6 +6,7 @@
 configfile: "config/default.yaml"
 
 
+include: "rules/device.smk"
 include: "rules/common.smk"
 include: "rules/prepare.smk"
 include: "rules/kernels.smk"

@@ -18,7 +18,7 @@ rule calibrate_latency:
         f"{RESULTS}/benchmarks/calibrate_latency.tsv"
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(4000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 4000),
         gpu=GPU,
         runtime=30,
     conda:

@@ -18,7 +18,7 @@ rule train_drafter:
         f"{RESULTS}/benchmarks/train_drafter.tsv"
     threads: 2
     resources:
-        mem_mb=model_mem_mb(6000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 6000),
         gpu=GPU,
         runtime=60,
     conda:
@@ -46,7 +46,7 @@ rule measure_drafter:
         f"{RESULTS}/benchmarks/measure_drafter.tsv"
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(2000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 2000),
         gpu=GPU,
         runtime=60,
     conda:

@@ -41,7 +41,7 @@ rule tune_eagle:
         f"{RESULTS}/benchmarks/tune_eagle_T{{temperature}}.tsv"
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(2000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 2000),
         gpu=GPU,
         runtime=30,
     conda:
@@ -75,7 +75,7 @@ rule evaluate:
         f"{RESULTS}/benchmarks/evaluate.tsv"
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(4000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 4000),
         gpu=GPU,
         runtime=60,
     conda:

@@ -17,7 +17,7 @@ rule calibrate_kernels:
         f"{RESULTS}/benchmarks/calibrate_kernels.tsv"
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(4000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 4000),
         gpu=GPU,
         runtime=15,
     conda:

@@ -33,7 +33,7 @@ rule ogspo_rounds:
         f"{RESULTS}/benchmarks/ogspo_rounds_T{{temperature}}.tsv"
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(4000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 4000),
         gpu=GPU,
         runtime=60,
     conda:

@@ -21,7 +21,7 @@ rule collect_records:
         f"{RESULTS}/logs/collect_records/{{workload}}-T{{temperature}}.log",
     threads: TIMING_THREADS
     resources:
-        mem_mb=model_mem_mb(4000),
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 4000),
         gpu=GPU,
         runtime=60,
     conda:

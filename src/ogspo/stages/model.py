@@ -207,6 +207,18 @@ def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
     return model, tokenizer
 
 
+DEFAULT_WEIGHTS_MB = 540  # SmolLM2-135M in fp32: the estimate before a model folder exists
+
+
+def model_memory_mb(path: Path, extra_mb: int) -> int:
+    """Memory (MB) of a job that loads the prepared model in `path`: `extra_mb` plus four copies of its
+    weights (the transformers model, the engine's layouts, headroom). Before the folder exists (a
+    dry run) the default model's size stands in."""
+    weights = Path(path) / "model.safetensors"
+    size = weights.stat().st_size / 2**20 if weights.is_file() else DEFAULT_WEIGHTS_MB
+    return int(extra_mb + 4 * size)
+
+
 def summary(prepared: PreparedModel) -> dict:
     d = asdict(prepared)
     d["path"] = str(prepared.path)
