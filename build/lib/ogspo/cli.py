@@ -1,0 +1,684 @@
+"""`ogspo` command line: one subcommand per workflow stage, each a thin call into the library.
+
+To add a subcommand, write ``_add_<name>(parser)`` and ``_run_<name>(args) -> int`` and register
+them in ``COMMANDS``. Commands read config via ``--config FILE...`` (people) or ``--config-json``
+(Snakemake rules pass exactly the sections the stage reads) and ``_load_config(args, sections)``. Errors (ConfigError / ValueError / FileNotFoundError) print one line
+``ogspo: error: ...`` on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ogspo.artifacts.io import write_text
+from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.oracle import write_oracle
+from ogspo.artifacts.records import load_records, summarize_records
+from ogspo.engine.kernels import describe, read_kernel_table, write_kernel_table
+from ogspo.engine.tree import Structure
+from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_drafter, make_target
+from ogspo.offline.replay import replay_cycles
+from ogspo.offline.solve import combine_cycles, solve_oracle
+from ogspo.stages.calibrate import calibrate_device_kernels, calibrate_latency, write_calibration
+from ogspo.stages.config import ConfigError, load_config
+from ogspo.stages.evaluate import (
+    evaluate_methods,
+    load_prompts,
+    method_specs,
+    oracle_throughputs,
+    render_summary,
+    temperature_tag,
+    tune_eagle,
+    write_evaluation,
+    write_tuning,
+)
+from ogspo.stages.export_policy import run_export_policy
+from ogspo.stages.generate import generate_text
+from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
+from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
+from ogspo.stages.records import collect_records
+from ogspo.stages.report import write_report
+from ogspo.stages.rounds import run_rounds_stage
+from ogspo.stages.routing import run_train_routing
+from ogspo.stages.sequoia import build_sequoia
+from ogspo.stages.train_drafter import run_train_drafter
+from ogspo.stages.train_policy import run_train_policy
+from ogspo.stages.workloads import prepare_workloads
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument(
+        "--config", nargs="+", type=Path, metavar="YAML",
+        help="config file(s), deep-merged in order (e.g. config/default.yaml config/quick.yaml)",
+    )
+    group.add_argument(
+        "--config-json", metavar="JSON",
+        help="the config sections this command reads, as one JSON object (what Snakemake rules pass)",
+    )
+
+
+def _load_config(args: argparse.Namespace, sections: tuple[str, ...]) -> dict:
+    import json
+
+
+    if args.config_json is not None:
+        try:
+            source = json.loads(args.config_json)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config error at '<json>': not valid JSON: {exc}") from None
+        if not isinstance(source, dict):
+            raise ConfigError("config error at '<json>': must be a JSON object")
+    else:
+        source = args.config
+    return load_config(source, sections=sections)
+
+
+# ---------------------------------------------------------------- prepare-model
+
+
+def _add_prepare_model(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--out", required=True, type=Path, help="folder to write the prepared model to")
+
+
+def _run_prepare_model(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("model", "dtype"))
+    prepared = prepare_model(source=cfg["model"], out_dir=args.out, dtype=cfg["dtype"])
+    print(
+        f"prepared {prepared.source} -> {prepared.path} "
+        f"(sha256 {prepared.checksum[:16]}..., source load {prepared.load_seconds:.1f} s)"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- prepare-workloads
+
+
+def _add_prepare_workloads(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder (for its tokenizer)")
+    p.add_argument("--out", required=True, type=Path, help="folder to write {workload}.parquet to")
+
+
+def _run_prepare_workloads(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("workloads", "seed"))
+    result = prepare_workloads(config=cfg, tokenizer=load_tokenizer(args.model), out_dir=args.out)
+    for t in result.tables:
+        print(
+            f"{t.name}: {t.n_train} train + {t.n_calib} calib + {t.n_eval} eval prompts -> {t.path} "
+            f"(max {t.max_tokens} tokens, {t.n_dropped} dropped as too long)"
+        )
+    return 0
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--method", default="eagle", help=f"one of {', '.join(METHODS)} (default eagle)")
+    p.add_argument("--drafter", default="lookup", help=f"one of {', '.join(DRAFTERS)} (default lookup)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--k", type=int, default=4, help="chain length (method chain)")
+    p.add_argument("--structure", help="rank paths as JSON, or a JSON file (method static)")
+    p.add_argument("--policy", type=Path, help="policy folder with policy.onnx + structure.json (method ogspo)")
+    p.add_argument("--router", type=Path, help="router.json or its folder, from train-routing (method routing)")
+    p.add_argument("--total-tokens", type=int, default=60, help="EAGLE-3 dynamic tree size (method eagle)")
+    p.add_argument("--depth", type=int, default=5, help="EAGLE-3 dynamic tree depth (method eagle)")
+    p.add_argument("--top-k", type=int, default=10, help="EAGLE-3 dynamic tree top_k (method eagle)")
+    p.add_argument("--early-exit-layers", type=int, default=6, help="layers of the early-exit drafter")
+    p.add_argument("--drafter-path", type=Path, help="trained head folder (drafter eagle)")
+    p.add_argument("--max-len", type=int, default=4096, help="KV cache rows")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: the dtype it was prepared in)")
+    _add_kernels(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+
+    result = generate_text(
+        model_dir=args.model,
+        prompt=args.prompt,
+        method=args.method,
+        drafter=args.drafter,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+        policy_args=dict(k=args.k, structure=args.structure, total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k,
+                         policy_path=args.policy, router_path=args.router),
+        early_exit_layers=args.early_exit_layers,
+        drafter_path=args.drafter_path,
+        max_len=args.max_len,
+        kernels=_read_kernels(args),
+        device=args.device,
+        dtype=args.dtype,
+        stream=lambda text: print(text, end="", flush=True),
+    )
+    r = result.generation
+    split = r.time_split()
+    print(
+        f"\n--- {result.method}: {len(r.tokens)} tokens in {r.wall_seconds:.2f} s = {r.throughput:.1f} tok/s, "
+        f"tau {r.tau:.2f}, {len(r.cycles)} cycles; prefill {split['prefill']:.2f} s, draft {split['draft']:.2f} s, "
+        f"verify {split['verify']:.2f} s, other {split['other']:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- latency, records
+
+
+def _add_model_drafter(p: argparse.ArgumentParser) -> None:
+
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--drafter", required=True, help=f"drafter spec for ogspo.methods.make_drafter ({', '.join(DRAFTERS)}, ...)")
+    p.add_argument("--drafter-path", type=Path, help="drafter folder (trained drafters), passed to make_drafter as path=")
+    p.add_argument("--max-len", type=int, default=2048, help="KV cache rows")
+    _add_kernels(p)
+
+
+def _add_kernels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernels", type=Path, help="kernel table from calibrate-kernels (default: torch's F.linear everywhere)")
+
+
+def _read_kernels(args: argparse.Namespace):
+
+    return None if args.kernels is None else read_kernel_table(args.kernels)
+
+
+def _load_model_drafter(args: argparse.Namespace, cfg: dict):
+    """(target TreeLM, drafter, model checksum, drafter id, tokenizer), on the config's `torch_device`, in the
+    dtype the model was prepared in."""
+
+    kernels = _read_kernels(args)
+    checksum = read_manifest(args.model)["checksum_sha256"]
+    model, tokenizer = load_target(args.model, device=cfg["torch_device"])
+    extra = {} if args.drafter_path is None else {"path": args.drafter_path, "target_checksum": checksum}
+    drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, kernels=kernels, **extra)
+    drafter_id = drafter.drafter_id or (
+        args.drafter if args.drafter_path is None else f"{args.drafter}:{Path(args.drafter_path).resolve().name}"
+    )
+    target = make_target(model, max_len=args.max_len, drafter=drafter, kernels=kernels)
+    return target, drafter, checksum, drafter_id, tokenizer
+
+
+def _add_calibrate_kernels(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--out", required=True, type=Path, help="kernels.json to write")
+    p.add_argument("--cache-dir", type=Path, help="where measured tables are kept for reuse (default ~/.cache/ogspo/kernels)")
+
+
+def _run_calibrate_kernels(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("kernels", "torch_device"))
+    model, _ = load_target(args.model, device=cfg["torch_device"])
+    table, cached = calibrate_device_kernels(model, cfg["kernels"], device=cfg["torch_device"], cache=args.cache_dir,
+                                             log=lambda m: print(m, flush=True))
+    write_kernel_table(table, args.out)
+    how = "reused from the cache" if cached else f"measured in {table.meta['seconds']:.0f} s"
+    print(f"kernel table for {table.key['model']} ({table.key['threads']} threads), {how} -> {args.out}\n{describe(table)}")
+    return 0
+
+
+def _add_calibrate_latency(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--out-json", required=True, type=Path, help="latency.json to write")
+    p.add_argument("--out-png", type=Path, help="latency.png to write")
+
+
+def _run_calibrate_latency(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("latency", "seed", "torch_device"))
+    lat = cfg["latency"]
+    target, drafter, checksum, drafter_id, _ = _load_model_drafter(args, cfg)
+    cal = calibrate_latency(
+        target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
+        draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
+        meta={"model_checksum": checksum, "drafter": drafter_id},
+    )
+    write_calibration(cal, json_path=args.out_json, png_path=args.out_png)
+    m = cal.model
+    print(
+        f"latency model ({m.slope_mode} slope in L): t_verify(1, {m.contexts[0]}) {1e3 * float(m.t_verify(1, m.contexts[0])):.1f} ms, "
+        f"t_verify({m.sizes[-1]}, {m.contexts[-1]}) {1e3 * float(m.t_verify(m.sizes[-1], m.contexts[-1])):.1f} ms, "
+        f"t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_fixed {1e3 * m.fixed:.1f} ms; held-out MdAPE "
+        f"{100 * cal.mdape:.1f}% over {len(cal.validation)} shapes; {cal.seconds:.0f} s -> {args.out_json}"
+    )
+    return 0
+
+
+def _add_collect_records(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--workload-file", required=True, type=Path, help="workloads/{workload}.parquet (calib split is used)")
+    p.add_argument("--temperature", required=True, type=float)
+    p.add_argument("--out", required=True, type=Path, help="folder for the shards")
+
+
+def _run_collect_records(args: argparse.Namespace) -> int:
+    import polars as pl
+
+
+    cfg = _load_config(args, ("records", "seed", "torch_device"))
+    rc = cfg["records"]
+    tpl = rc["template"]
+    if len(tpl["widths"]) != tpl["depth"]:
+        raise ValueError(f"records.template.widths has {len(tpl['widths'])} entries, depth is {tpl['depth']}")
+    if args.temperature not in [float(t) for t in rc["temperatures"]]:
+        raise ValueError(f"temperature {args.temperature} is not among records.temperatures {rc['temperatures']}")
+    if not args.workload_file.is_file():
+        raise FileNotFoundError(f"workload file {args.workload_file} does not exist")
+    table = pl.read_parquet(args.workload_file).filter(pl.col("split") == "calib").sort("prompt_id").head(rc["prompts_per_workload"])
+    if table.height == 0:
+        raise ValueError(f"{args.workload_file} has no calib prompts (workloads.<name>.calib_prompts)")
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
+    ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
+    res = collect_records(
+        target=target, drafter=drafter, template=Structure.full(tpl["widths"]), prompts=prompts, request_ids=ids,
+        temperature=args.temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"], out_dir=args.out,
+        shard_size=rc["shard_size"], model_checksum=checksum, drafter_id=drafter_id, eos_token_id=tok.eos_token_id,
+    )
+    print(
+        f"{len(prompts)} prompts, {len(res.shards)} shards ({len(res.computed)} computed, "
+        f"{len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in {res.seconds:.0f} s -> {args.out}"
+    )
+    return 0
+
+
+def _add_summarize_records(p: argparse.ArgumentParser) -> None:
+    p.add_argument("records", nargs="+", type=Path, help="records folders ({workload}/T{temperature})")
+    p.add_argument("--model", type=Path, help="prepared model folder: refuse records of another model")
+    p.add_argument("--drafter", help="drafter id the records must carry (as written by collect-records)")
+    p.add_argument("--out-json", required=True, type=Path)
+    p.add_argument("--out-md", required=True, type=Path)
+
+
+def _run_summarize_records(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+
+    checksum = read_manifest(args.model)["checksum_sha256"] if args.model else None
+    out, md = {}, ["# Posterior verification records", ""]
+    for d in args.records:
+        rec = load_records(d, expect_model=checksum, expect_drafter=args.drafter)
+        s = summarize_records(rec)
+        name = f"{d.parent.name}/{d.name}"
+        out[name] = asdict(s)
+        md.append(s.to_markdown(name))
+    for path, text in ((args.out_json, json.dumps(out, indent=1) + "\n"), (args.out_md, "\n".join(md))):
+        write_text(path, text)
+    print(f"summarised {len(args.records)} records folders -> {args.out_json}, {args.out_md}")
+    return 0
+
+
+# ---------------------------------------------------------------- drafter
+
+
+def _add_train_drafter(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (train split is used)")
+    p.add_argument("--out", required=True, type=Path, help="drafter folder to write")
+    p.add_argument("--work", required=True, type=Path, help="folder for cached data and checkpoints (resume)")
+
+
+def _run_train_drafter(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
+    fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
+    r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
+                          fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
+    print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
+          f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
+    return 0
+
+
+def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--drafter", required=True, type=Path, help="trained head folder")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (eval split is used)")
+    p.add_argument("--out-json", required=True, type=Path)
+    p.add_argument("--out-md", required=True, type=Path)
+    _add_kernels(p)
+
+
+def _run_measure_drafter(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("measure_drafter", "seed", "torch_device"))
+    m = cfg["measure_drafter"]
+    result = measure_drafter(
+        model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
+        prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
+        temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
+        chain_depth=m["chain_depth"], seed=cfg["seed"], kernels=_read_kernels(args), device=cfg["torch_device"],
+    )
+    write_measure(result, args.out_json, args.out_md)
+    print(render_markdown(result))
+    return 0
+
+
+# ---------------------------------------------------------------- solve-oracle
+
+
+def _add_solve_oracle(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--out", required=True, type=Path, help="oracle JSON to write")
+
+
+def _run_solve_oracle(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("solve",))
+    cycles = combine_cycles([replay_cycles(load_records(d)) for d in args.records])
+    result = solve_oracle(cycles=cycles, latency=LatencyModel.from_json(args.latency), config=cfg)
+    write_oracle(result, args.out)
+    print(
+        f"oracle: {result.throughput:.3f} tokens/s (bound {result.ratio_upper_bound:.3f}), |S| = {len(result.structure)}, "
+        f"{result.iterations} Dinkelbach iterations, {result.solve_seconds:.1f} s, {result.n_cycles} cycles in "
+        f"{result.n_groups} groups -> {args.out}"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- train-policy
+
+
+def _add_train_policy(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--oracle", type=Path, help="oracle JSON: its structure is kept fixed")
+    which.add_argument("--template", action="store_true",
+                       help="keep the records' full template as the structure (the policy-only ablation)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="policy folder to write (policy.onnx, structure.json, export.json, train.json, train.md)")
+
+
+def _run_train_policy(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("policy", "seed"))
+    r = run_train_policy(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle,
+                         out_dir=args.out, config=cfg["policy"], seed=cfg["seed"])
+    if r.train is None:
+        print(f"policy: none trained, the oracle's structure is empty (autoregressive decoding is best) -> {args.out}")
+        return 0
+    tr, ho = r.train.train, r.train.holdout
+    held = f", held-out {ho.throughput:.3f} vs best fixed {ho.best_fixed_throughput:.3f}" if ho else ""
+    oracle = f", oracle {r.oracle_throughput:.3f}" if r.oracle_throughput is not None else ""
+    print(
+        f"policy: J {tr.throughput:.3f} tokens/s on {tr.n_cycles} train cycles (best fixed depth {tr.best_fixed_depth}: "
+        f"{tr.best_fixed_throughput:.3f}, posterior bound {tr.posterior_bound:.3f}{oracle}){held}; "
+        f"features {r.features_seconds:.1f} s, training {r.train.seconds:.1f} s -> {args.out}"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- ogspo-rounds, export-policy
+
+
+def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--oracle", required=True, type=Path, help="oracle JSON (the rounds start from its structure)")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (the records' prompts)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="rounds folder to write (rounds.parquet/png/json, same_trace.parquet, policy.pt, structure.json)")
+
+
+def _run_ogspo_rounds(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("rounds", "policy", "solve", "seed", "torch_device"))
+
+    def load_engine():
+        target, drafter, checksum, drafter_id, tokenizer = _load_model_drafter(args, cfg)
+        return target, drafter, tokenizer, checksum, drafter_id
+
+    r = run_rounds_stage(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle, out_dir=args.out,
+                         load_engine=load_engine, workloads_dir=args.workloads, config=cfg, seed=cfg["seed"])
+    if r.autoregressive:
+        print(f"ogspo rounds: none run, the oracle's structure is empty (autoregressive decoding is best) -> {args.out}")
+        return 0
+    for row in r.rows:
+        print(f"round {row.round}: |S| {row.structure_size}, surrogate J {row.surrogate_J:.3f}, same-trace {row.same_trace_J:.3f} "
+              f"(predicted {row.predicted_J:.3f}), corrected {row.corrected_J:.3f}, posterior bound {row.posterior_bound:.3f}, "
+              f"{'accepted' if row.accepted else 'rejected'}")
+    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason} -> {args.out}")
+    return 0
+
+
+def _add_export_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", required=True, type=Path, help="rounds folder (policy.pt + structure.json)")
+    p.add_argument("--out", required=True, type=Path, help="policy folder to write (policy.onnx, structure.json, export.json)")
+
+
+def _run_export_policy(args: argparse.Namespace) -> int:
+
+    r = run_export_policy(rounds_dir=args.rounds, out_dir=args.out)
+    what = "autoregressive (empty structure, no policy.onnx)" if r.export is None else f"policy.onnx ({r.export.bytes} bytes)"
+    print(f"exported {args.rounds}: {what}, |S| = {len(r.structure)} -> {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- baselines: build-sequoia, train-routing
+
+
+def _add_build_sequoia(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--out", required=True, type=Path, help="folder to write (structure.json, sequoia.json)")
+
+
+def _run_build_sequoia(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("baselines",))
+    r = build_sequoia(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["sequoia"], out_dir=args.out)
+    replayed = (f"replayed {r.replayed[r.size]:.3f} tokens/s on {r.n_cycles} record cycles" if r.inside_template
+                else "outside the records template (no replay figure)")
+    kind = "autoregressive (empty tree)" if r.size == 0 else f"{r.size} nodes, depth {r.structure.max_depth}"
+    print(f"sequoia: {kind}, modelled {r.throughput:.3f} tokens/s at L = {r.context_length:.0f}, {replayed}; "
+          f"autoregressive replayed {r.replayed_autoregressive:.3f} -> {args.out}")
+    return 0
+
+
+def _add_train_routing(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    p.add_argument("--out", required=True, type=Path, help="folder to write (router.json, train.json)")
+
+
+def _run_train_routing(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("baselines", "seed"))
+    r = run_train_routing(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["routing"],
+                          seed=cfg["seed"], out_dir=args.out)
+    tr, ho = r.train, r.holdout
+    held = f"; held-out {ho.throughput:.3f} vs best template {ho.best_fixed} {ho.best_fixed_throughput:.3f}" if ho else ""
+    print(f"routing: J {tr.throughput:.3f} tokens/s on {tr.n_cycles} train cycles (best template {tr.best_fixed} "
+          f"{tr.best_fixed_throughput:.3f}, per-cycle bound {tr.per_cycle_bound:.3f}){held}; {r.seconds:.1f} s -> {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- tune-eagle, evaluate, report
+
+
+def _key_paths(pairs: list[str] | None, what: str, allowed: tuple[str, ...] | None = None) -> dict[str, str]:
+    """KEY=PATH arguments as a dict (one clear line on a malformed or unknown KEY)."""
+    out = {}
+    for item in pairs or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{what} '{item}' is not KEY=PATH")
+        if allowed is not None and key not in allowed:
+            raise ValueError(f"{what} '{item}': unknown key '{key}'; allowed: {', '.join(allowed)}")
+        out[key] = value
+    return out
+
+
+def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (calib split is used)")
+    p.add_argument("--temperature", required=True, type=float)
+    p.add_argument("--out", required=True, type=Path, help="tuning JSON to write (grid and winners per workload)")
+
+
+def _run_tune_eagle(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
+    ev = cfg["evaluate"]
+    if args.temperature not in [float(t) for t in cfg["records"]["temperatures"]]:
+        raise ValueError(f"temperature {args.temperature} is not among records.temperatures {cfg['records']['temperatures']}")
+    target, drafter, _, _, tok = _load_model_drafter(args, cfg)
+    prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
+    res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
+                     max_new_tokens=ev["max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
+                     progress=lambda line: print(line, flush=True))
+    write_tuning(res, args.out)
+    print(f"tuned EAGLE-3 at T={args.temperature:g}: {res.winners} in {res.seconds:.0f} s -> {args.out}")
+    return 0
+
+
+def _add_evaluate(p: argparse.ArgumentParser) -> None:
+
+    _add_config(p)
+    _add_model_drafter(p)
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (eval split is used)")
+    p.add_argument("--latency", type=Path, help="latency.json (surrogate-predicted throughput)")
+    p.add_argument("--oracle", nargs="*", metavar="TAG=PATH", help="oracle JSON per temperature tag, e.g. T0=results/cpu/solve/oracle_T0.json")
+    p.add_argument("--artifact", nargs="*", metavar="KIND=PATH", help=f"artifact path template per method kind, {{T}} = temperature "
+                   f"tag; kinds: {', '.join(ARTIFACT_KINDS)}")
+    p.add_argument("--out-requests", required=True, type=Path, help="requests.parquet to write")
+    p.add_argument("--out-summary", required=True, type=Path, help="summary.json to write")
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
+    ev = cfg["evaluate"]
+    specs = method_specs(methods=ev["methods"], chains=ev["chains"], eagle_default=ev["eagle_default"])
+    artifacts = _key_paths(args.artifact, "--artifact", ARTIFACT_KINDS)
+    lacking = sorted({s.kind for s in specs if s.kind in ARTIFACT_KINDS} - set(artifacts))
+    if lacking:
+        raise ValueError(f"evaluate.methods needs --artifact for {', '.join(lacking)} (KIND=PATH with {{T}})")
+    temperatures = [float(t) for t in cfg["records"]["temperatures"]]
+    oracle = oracle_throughputs({k: Path(v) for k, v in _key_paths(args.oracle, "--oracle").items()})
+    unknown = sorted(set(oracle) - {temperature_tag(t) for t in temperatures})
+    if unknown:
+        raise ValueError(f"--oracle {unknown[0]}: not a temperature tag of records.temperatures {cfg['records']['temperatures']}")
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
+    latency = None if args.latency is None else LatencyModel.from_json(args.latency, expect_model=checksum, expect_drafter=drafter_id)
+    prompts = load_prompts(args.workloads, tok, split="eval", n=ev["prompts_per_workload"])
+    res = evaluate_methods(
+        target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
+        max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
+        latency=latency, oracle=oracle, eos_token_id=tok.eos_token_id, policy_device=cfg["torch_device"],
+        progress=lambda line: print(line, flush=True),
+    )
+    write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)
+    print(render_summary(res.summary))
+    print(f"{len(res.rows)} requests in {res.seconds:.0f} s; lossless: {res.checked} T=0 requests compared, "
+          f"{len(res.near_ties)} near-ties -> {args.out_requests}, {args.out_summary}")
+    return 0
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--evaluate-summary", required=True, type=Path, help="evaluate/summary.json")
+    p.add_argument("--requests", required=True, type=Path, help="evaluate/requests.parquet")
+    p.add_argument("--latency", type=Path, help="latency.json (latency model fit plot)")
+    p.add_argument("--records-summary", type=Path, help="records/summary.json (acceptance by depth plot)")
+    p.add_argument("--structure", nargs="*", metavar="TAG=PATH", help="OGSPO structure.json per temperature tag")
+    p.add_argument("--rounds", nargs="*", metavar="TAG=PATH", help="rounds.parquet per temperature tag (absent files: plot left out)")
+    p.add_argument("--out", required=True, type=Path, help="report folder")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+
+    r = write_report(
+        evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
+        records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
+        rounds=_key_paths(args.rounds, "--rounds"),
+    )
+    print(f"report: {len(r.plots)} plots, OGSPO / tuned EAGLE-3 {r.ratios or 'n/a'} -> {r.markdown_path}")
+    for m in r.missing:
+        print(f"left out: {m}")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
+    "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
+    "train-drafter": Command("train the EAGLE-3-style draft head", _add_train_drafter, _run_train_drafter),
+    "measure-drafter": Command("measure the head's acceptance on eval prompts", _add_measure_drafter, _run_measure_drafter),
+    "generate": Command("decode one prompt with a speculative method, streaming", _add_generate, _run_generate),
+    "calibrate-kernels": Command("time matmul kernels per weight class and row count on this device", _add_calibrate_kernels, _run_calibrate_kernels),
+    "calibrate-latency": Command("measure the per-device latency model", _add_calibrate_latency, _run_calibrate_latency),
+    "collect-records": Command("collect posterior verification records", _add_collect_records, _run_collect_records),
+    "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),
+    "solve-oracle": Command("posterior-optimal structure and stop depths (OGSPO step 0)", _add_solve_oracle, _run_solve_oracle),
+    "train-policy": Command("train the OGSPO stop policy for a fixed structure and export it to ONNX", _add_train_policy, _run_train_policy),
+    "ogspo-rounds": Command("alternating OGSPO rounds with same-trace correction", _add_ogspo_rounds, _run_ogspo_rounds),
+    "export-policy": Command("export the final head of OGSPO rounds as a policy folder", _add_export_policy, _run_export_policy),
+    "build-sequoia": Command("Sequoia-style static tree from records (baseline)", _add_build_sequoia, _run_build_sequoia),
+    "train-routing": Command("pre-drafting routing classifier from records (baseline)", _add_train_routing, _run_train_routing),
+    "tune-eagle": Command("grid-search EAGLE-3 tree settings on train prompts", _add_tune_eagle, _run_tune_eagle),
+    "evaluate": Command("all methods side by side on eval prompts, with the lossless check", _add_evaluate, _run_evaluate),
+    "report": Command("tables and plots from the evaluation", _add_report, _run_report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ogspo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"ogspo: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Training data for the draft head: token sequences from the `train` split of the workloads (and
+chat variants of them), the target's own greedy continuations, and Python standard-library
+source; then, per sequence, the target's features (low/mid/high hidden states) and top-K
+next-token distributions from teacher-forced prefill passes. Eval prompts are never used."""
+
+from __future__ import annotations
+
+import ast
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+from tqdm.auto import tqdm
+
+from ogspo.artifacts.prompts import read_fortunes
+from ogspo.engine.target import TreeLM
+
+CHAT_VARIANTS = {
+    "humaneval": "Complete the following Python function and explain it briefly:\n\n{text}",
+    "fortunes": "Continue this thought in a few sentences: {text}",
+}
+# Chat requests around corpus text (extra prompts), used in turn.
+FORTUNE_QUESTIONS = (
+    "Continue this thought in a few sentences: {text}",
+    "What does this saying mean, and do you agree with it? \"{text}\"",
+    "Write a short story that begins with: {text}",
+)
+FUNCTION_QUESTIONS = (
+    "Explain what the following Python function does:\n\n{text}",
+    "Write a Python function `{name}` that does the following: {doc}",
+)
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [n] int32
+    feats: torch.Tensor | None = None  # [n, 3D] float16 target hidden states at the feature layers
+    top_ids: torch.Tensor | None = None  # [n, K] int32 target top-K ids of the next token
+    top_p: torch.Tensor | None = None  # [n, K] float16 their probabilities
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(s, add_special_tokens=False).input_ids
+
+
+def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[list[int]]:
+    """Token ids of the `train` prompts of every workload (plus chat variants), in a fixed order."""
+    out: list[list[int]] = []
+    for path in sorted(Path(workloads_dir).glob("*.parquet")):
+        df = pl.read_parquet(path).filter(pl.col("split") == "train").sort("prompt_id")
+        if max_per_workload:
+            df = df.head(max_per_workload)
+        name = path.stem
+        for row in df.iter_rows(named=True):
+            out.append(tokenizer(row["prompt"], add_special_tokens=False).input_ids)
+            if chat_variants and name in CHAT_VARIANTS:
+                out.append(chat_ids(tokenizer, CHAT_VARIANTS[name].format(text=row["text"])))
+    if not out:
+        raise ValueError(f"no train prompts found under {workloads_dir} (run prepare_workloads first)")
+    return out
+
+
+def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int) -> list[list[int]]:
+    """Chunks of Python standard-library source, a seeded sample of files, up to max_tokens."""
+    if max_tokens <= 0:
+        return []
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    for i in rng.permutation(len(files)):
+        ids = tokenizer(files[i].read_text(errors="replace"), add_special_tokens=False).input_ids
+        for s in range(0, len(ids) - 32, seq_len):
+            out.append(ids[s : s + seq_len])
+            total += len(out[-1])
+            if total >= max_tokens:
+                return out
+    return out
+
+
+def stdlib_functions(*, max_functions: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str, str]]:
+    """(name, first docstring paragraph, source through the docstring) of documented top-level functions
+    of the Python standard library: HumanEval-shaped code prompts. A seeded sample, in file order."""
+    if max_functions <= 0:
+        return []
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000):
+        src = path.read_text(errors="replace")
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if not doc or node.name.startswith("_") or len(doc) < 20:
+                continue
+            text = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno]) + "\n"
+            if len(text) <= max_chars:
+                out.append((node.name, " ".join(doc.strip().split("\n\n")[0].split()), text))
+    rng = np.random.default_rng(seed)
+    keep = sorted(rng.permutation(len(out))[:max_functions].tolist())
+    return [out[i] for i in keep]
+
+
+def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer, fortunes: int, functions: int,
+                   seed: int) -> list[list[int]]:
+    """Extra training prompts from corpora on every machine, never a workload prompt: fortunes the
+    workloads did not select (as continuation prompts and as chat requests) and documented functions of
+    the standard library (as code prompts and as chat requests), `fortunes` and `functions` of each."""
+
+    out: list[list[int]] = []
+    if fortunes > 0:
+        if fortunes_dir is None:
+            raise ValueError("extra_fortunes needs workloads.fortunes.dir (the fortunes folder)")
+        used = set()
+        for path in Path(workloads_dir).glob("*.parquet"):
+            used |= set(pl.read_parquet(path, columns=["prompt_id"])["prompt_id"].to_list())
+        pool = [p for p in read_fortunes(Path(fortunes_dir)) if p.prompt_id not in used]
+        rng = np.random.default_rng(seed)
+        for j, i in enumerate(sorted(rng.permutation(len(pool))[:fortunes].tolist())):
+            text = pool[i].text
+            out.append(tokenizer(text, add_special_tokens=False).input_ids)
+            out.append(chat_ids(tokenizer, FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)))
+    for j, (name, doc, text) in enumerate(stdlib_functions(max_functions=functions, seed=seed)):
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+        out.append(chat_ids(tokenizer, FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)))
+    return out
+
+
+def pack_prompts(lengths: list[int], *, max_new_tokens: int, pack: int, max_rows: int) -> list[np.ndarray]:
+    """Prompts (shortest first) grouped into packs of at most `pack` prompts whose prompts and
+    continuations fit `max_rows` cache rows."""
+    order = np.argsort(lengths, kind="stable")
+    out, cur, rows = [], [], 0
+    for i in order:
+        need = lengths[i] + max_new_tokens
+        if cur and (len(cur) == pack or rows + need > max_rows):
+            out.append(np.array(cur))
+            cur, rows = [], 0
+        cur.append(i)
+        rows += need
+    if cur:
+        out.append(np.array(cur))
+    return out
+
+
+@torch.inference_mode()
+def generate_annotated(
+    lm: TreeLM, prompts: list[list[int]], *, max_new_tokens: int, pack: int, top_k: int, eos_token_id: int | None,
+) -> list[Sequence]:
+    """The target's greedy continuation of each prompt, with its features and top-K next-token
+    distribution at every position, all from the generation passes themselves.
+
+    Up to `pack` prompts decode together in one KV cache: every step feeds each unfinished
+    sequence's last token as one row of a single forward whose mask lets a row see only its own
+    sequence's rows (the tree-attention machinery of the engine, with a forest of chains). On a
+    compute-bound CPU this runs ~2.5x faster than transformers' batched `generate` (no padding).
+    The last emitted token of a sequence (EOS or the token at `max_new_tokens`) is never fed back:
+    the sequence ends before it, and its distribution is the target at the last position.
+    `lm` needs the feature layers of the head and a cache of at least
+    max(len(prompt) + max_new_tokens) rows per prompt of a pack."""
+    lengths = [len(p) for p in prompts]
+    out: list[Sequence | None] = [None] * len(prompts)
+    packs = pack_prompts(lengths, max_new_tokens=max_new_tokens, pack=pack, max_rows=lm.cache.max_len)
+    bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt")
+    dev = lm.device  # the target's device; the returned sequences live on the CPU
+    for idx in packs:
+        cache = lm.cache
+        cache.reset()
+        owner: list[int] = []  # sequence of every pending cache row
+        feats: list[list[torch.Tensor]] = [[] for _ in idx]
+        tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in idx]
+        toks: list[list[int]] = [list(prompts[i]) for i in idx]
+        last = []
+        for j, i in enumerate(idx):  # prefill each prompt: causal over its own rows only
+            n = lengths[i]
+            own = torch.zeros(n, len(owner), dtype=torch.bool, device=dev)
+            attend = torch.cat([own, torch.ones(n, n, dtype=torch.bool, device=dev).tril_()], dim=1)  # [n, pending + n]
+            fwd = lm.forward(torch.tensor(prompts[i], device=dev), torch.arange(n, device=dev), attend)
+            owner += [j] * n
+            feats[j].append(fwd.features.to(torch.float16).cpu())
+            tops[j].append(_top(fwd.logits, top_k))  # [n, K]
+            last.append(int(fwd.logits[-1].argmax()))
+        active = [j for j in range(len(idx)) if max_new_tokens > 1 and last[j] != eos_token_id]
+        for _ in range(max_new_tokens - 1):
+            if not active:
+                break
+            own = torch.tensor(owner, device=dev)[None, :] == torch.tensor(active, device=dev)[:, None]  # [m, pending]
+            attend = torch.cat([own, torch.eye(len(active), dtype=torch.bool, device=dev)], dim=1)  # [m, pending + m]
+            positions = torch.tensor([len(toks[j]) for j in active], device=dev)
+            fwd = lm.forward(torch.tensor([last[j] for j in active], device=dev), positions, attend)
+            ids, probs = _top(fwd.logits, top_k)  # [m, K]
+            f16 = fwd.features.to(torch.float16).cpu()  # [m, F]
+            nxt = fwd.logits.argmax(-1).tolist()
+            for r, j in enumerate(active):
+                toks[j].append(last[j])
+                owner.append(j)
+                feats[j].append(f16[r : r + 1])
+                tops[j].append((ids[r : r + 1], probs[r : r + 1]))
+                last[j] = int(nxt[r])
+            active = [j for j in active if last[j] != eos_token_id]
+        for j, i in enumerate(idx):
+            out[i] = Sequence(
+                tokens=torch.tensor(toks[j], dtype=torch.int32, device="cpu"),
+                feats=torch.cat(feats[j]),
+                top_ids=torch.cat([t[0] for t in tops[j]]),
+                top_p=torch.cat([t[1] for t in tops[j]]),
+            )
+        bar.update(len(idx))
+    bar.close()
+    return out  # type: ignore[return-value]
+
+
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids (int32) and probabilities (float16) of the softmax over the last dim, on the CPU."""
+    top = torch.softmax(logits.float(), -1).topk(k, dim=-1)
+    return top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu()
+
+
+@torch.inference_mode()
+def generate_batched(
+    lm, prompts: list[list[int]], *, max_new_tokens: int, batch: int, top_k: int, eos_token_id: int | None,
+    temperature: float = 0.0, seed: int = 0,
+) -> list[Sequence]:
+    """The target's continuation of each prompt (greedy, or sampled at `temperature`), with its
+    features and top-K next-token distribution at every position, from the generation passes.
+
+    Prompts, shortest first, decode `batch` at a time with a batch dimension (`lm.forward_batch`,
+    the Llama backend): left-padded to a common length, each row attending to its own rows only.
+    The last emitted token (EOS or the token at `max_new_tokens`) is never fed back: the sequence
+    ends before it, and its distribution is the target's at the last position."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # sampling draws on the CPU: the same data on every device
+    dev = lm.device
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    out: list[Sequence | None] = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt")
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        B, P = len(idx), max(len(prompts[i]) for i in idx)
+        tokens = torch.zeros(B, P, dtype=torch.long, device=dev)
+        positions = torch.zeros(B, P, dtype=torch.long, device=dev)
+        valid = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=dev)
+        for r, i in enumerate(idx):
+            n = len(prompts[i])
+            tokens[r, P - n :] = torch.tensor(prompts[i], device=dev)
+            positions[r, P - n :] = torch.arange(n, device=dev)
+            valid[r, : P - n] = False
+        cache = lm.new_batch_cache(B, P + max_new_tokens)
+        fwd = lm.forward_batch(tokens, positions, cache, valid)
+        feats, tops = [fwd.features.to(torch.float16).cpu()], [_top(fwd.logits, top_k)]  # [B, P, ...]
+        fed = torch.zeros(B, dtype=torch.long, device=dev)  # continuation tokens fed back per row
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        last = positions[:, -1]
+        for _ in range(max_new_tokens - 1):
+            logits = fwd.logits[:, -1]  # [B, vocab]
+            if temperature > 0:
+                probs = torch.softmax(logits.float() / temperature, -1).cpu()  # [B, vocab]
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0].to(dev)
+            else:
+                nxt = logits.argmax(-1)
+            if eos_token_id is not None:
+                alive &= nxt != eos_token_id
+            if not alive.any():
+                break
+            fed += alive
+            last = last + 1
+            fwd = lm.forward_batch(nxt[:, None], last[:, None], cache, valid)
+            tokens = torch.cat([tokens, nxt[:, None]], 1)  # [B, P + steps]
+            feats.append(fwd.features.to(torch.float16).cpu())
+            tops.append(_top(fwd.logits, top_k))
+        tokens, fed = tokens.cpu(), fed.cpu()
+        feats_all = torch.cat(feats, 1)  # [B, P + steps, F]
+        ids_all, p_all = torch.cat([t[0] for t in tops], 1), torch.cat([t[1] for t in tops], 1)
+        for r, i in enumerate(idx):
+            a, b = P - len(prompts[i]), P + int(fed[r])
+            out[i] = Sequence(tokens=tokens[r, a:b].to(torch.int32), feats=feats_all[r, a:b].clone(),
+                              top_ids=ids_all[r, a:b].clone(), top_p=p_all[r, a:b].clone())
+        bar.update(B)
+    bar.close()
+    return out  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], top_k: int, batch_tokens: int) -> list[Sequence]:
+    """Teacher-forced target passes: features and top-K next-token distributions per position."""
+    order = np.argsort([len(s) for s in seqs], kind="stable")[::-1]
+    out: list[Sequence | None] = [None] * len(seqs)
+    i = 0
+    bar = tqdm(total=sum(len(s) for s in seqs), desc="target features", unit="tok")
+    while i < len(order):
+        width = len(seqs[order[i]])
+        n = max(1, batch_tokens // width)
+        idx = order[i : i + n]
+        ids = torch.zeros((len(idx), width), dtype=torch.long, device=model.device)
+        att = torch.zeros((len(idx), width), dtype=torch.long, device=model.device)
+        for r, j in enumerate(idx):
+            ids[r, : len(seqs[j])] = torch.tensor(seqs[j], device=model.device)
+            att[r, : len(seqs[j])] = 1
+        res = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+        feats = torch.cat([res.hidden_states[layer + 1] for layer in feature_layers], -1)  # [b, w, 3D]
+        logits = model.lm_head(res.last_hidden_state)  # [b, w, V]
+        top_logits, top_ids = logits.topk(top_k, dim=-1)
+        top_probs = (top_logits - torch.logsumexp(logits, -1, keepdim=True)).exp()  # [b, w, K]
+        for r, j in enumerate(idx):
+            n_j = len(seqs[j])
+            out[j] = Sequence(
+                tokens=torch.tensor(seqs[j], dtype=torch.int32, device="cpu"),
+                feats=feats[r, :n_j].to(torch.float16).cpu().clone(),
+                top_ids=top_ids[r, :n_j].to(torch.int32).cpu().clone(),
+                top_p=top_probs[r, :n_j].to(torch.float16).cpu().clone(),
+            )
+        bar.update(sum(len(seqs[j]) for j in idx))
+        i += len(idx)
+    bar.close()
+    return out  # type: ignore[return-value]
+
+
+def draft_vocabulary(seqs: list[Sequence], *, size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent target tokens (sequence tokens and target top-1 predictions), sorted."""
+    counts = torch.zeros(vocab, dtype=torch.long, device="cpu")
+    for s in seqs:
+        counts += torch.bincount(s.tokens.long(), minlength=vocab)
+        counts += torch.bincount(s.top_ids[s.top_p[:, 0] > 0, 0].long(), minlength=vocab)
+    for t in always:
+        if t is not None:
+            counts[t] = counts.max() + 1
+    ids = counts.argsort(descending=True, stable=True)[:size]
+    return ids.sort().values

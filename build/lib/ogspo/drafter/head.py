@@ -1,0 +1,203 @@
+"""The EAGLE-3-style draft head.
+
+One decoder layer of the target's (Llama) architecture over a fusion of
+- the target's hidden states at a low, a mid and a high layer (`fc`: 3D -> D), or, one step deeper
+  into a draft, the head's own output at the parent node, and
+- the (frozen, shared) target embedding of the next token,
+then a final RMSNorm and a reduced LM head: the frozen target LM-head rows of the `draft_vocab`
+most frequent tokens, with `d2t` mapping draft ids back to target ids.
+
+Input at position t is (feature of position t, token t+1); the output predicts token t+2.
+Training-time test (TTT): step j > 1 feeds the head its own step-(j-1) output at t-1 as the feature,
+attending the way a depth-j draft node does (committed rows up to t-j+1, then its own ancestors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class HeadConfig:
+    hidden: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    vocab: int
+    draft_vocab: int
+    feature_layers: tuple[int, ...]
+    rope_theta_inv_freq: list[float]
+    rope_scaling: float = 1.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadConfig":
+        d = dict(d)
+        d["feature_layers"] = tuple(d["feature_layers"])
+        return cls(**d)
+
+    @classmethod
+    def for_target(cls, hf_model, *, draft_vocab: int) -> "HeadConfig":
+        cfg = hf_model.config
+        if cfg.model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"the EAGLE head needs a Llama-like target, not '{cfg.model_type}'")
+        n = cfg.num_hidden_layers
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rot = hf_model.model.rotary_emb
+        return cls(
+            hidden=cfg.hidden_size,
+            n_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=hd,
+            intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
+            vocab=cfg.vocab_size,
+            draft_vocab=min(draft_vocab, cfg.vocab_size),
+            feature_layers=(1, max(1, n // 2 - 1), max(1, n - 4)),
+            rope_theta_inv_freq=rot.inv_freq.float().tolist(),
+            rope_scaling=float(rot.attention_scaling),
+        )
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: HeadConfig, *, embed: torch.Tensor, lm_rows: torch.Tensor, d2t: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        D, H, KV, hd = cfg.hidden, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        dev = embed.device  # the head lives where the target's embeddings live
+        self.register_buffer("embed", embed.detach().clone().float(), persistent=False)  # [V, D] frozen target rows
+        self.register_buffer("lm_rows", lm_rows.detach().float().to(dev, copy=True))  # [V', D] frozen target LM-head rows
+        self.register_buffer("d2t", d2t.long().to(dev))  # [V'] draft id -> target id
+        self.fc = nn.Linear(3 * D, D, bias=False, device=dev)
+        self.fuse = nn.Linear(2 * D, D, bias=False, device=dev)
+        self.emb_norm = nn.Parameter(torch.ones(D, device=dev))
+        self.ln1 = nn.Parameter(torch.ones(D, device=dev))
+        self.q = nn.Linear(D, H * hd, bias=False, device=dev)
+        self.k = nn.Linear(D, KV * hd, bias=False, device=dev)
+        self.v = nn.Linear(D, KV * hd, bias=False, device=dev)
+        self.o = nn.Linear(H * hd, D, bias=False, device=dev)
+        self.ln2 = nn.Parameter(torch.ones(D, device=dev))
+        self.gate = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
+        self.up = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
+        self.down = nn.Linear(cfg.intermediate, D, bias=False, device=dev)
+        self.norm = nn.Parameter(torch.ones(D, device=dev))
+        self.register_buffer("inv_freq", torch.tensor(cfg.rope_theta_inv_freq, dtype=torch.float32, device=dev), persistent=False)
+
+    # ------------------------------------------------------------------ building blocks
+
+    def init_from_target(self, hf_model) -> None:
+        """Warm start: the decoder layer and final norm from the target's last layer; `fc` reads the
+        high-layer feature, `fuse` passes the feature through (the embedding path starts small)."""
+        last = hf_model.model.layers[-1]
+        D = self.cfg.hidden
+        with torch.no_grad():
+            a, m = last.self_attn, last.mlp
+            for mine, theirs in [(self.q, a.q_proj), (self.k, a.k_proj), (self.v, a.v_proj), (self.o, a.o_proj),
+                                 (self.gate, m.gate_proj), (self.up, m.up_proj), (self.down, m.down_proj)]:
+                mine.weight.copy_(theirs.weight.float())
+            self.ln1.copy_(last.input_layernorm.weight.float())
+            self.ln2.copy_(last.post_attention_layernorm.weight.float())
+            self.norm.copy_(hf_model.model.norm.weight.float())
+            self.fc.weight.zero_()
+            self.fc.weight[:, 2 * D :] = torch.eye(D, device=self.fc.weight.device)
+            self.fuse.weight.normal_(0, 0.02)
+            self.fuse.weight[:, D:] += torch.eye(D, device=self.fuse.weight.device)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, hd]
+        return (emb.cos() * self.cfg.rope_scaling).to(dtype), (emb.sin() * self.cfg.rope_scaling).to(dtype)
+
+    def fused_input(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        e = rms_norm(F.embedding(tokens, self.embed), self.emb_norm, self.cfg.eps)  # [..., T, D]
+        return self.fuse(torch.cat([e, feat], dim=-1))  # [..., T, D]
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, D] -> q [B, H, T, hd], k, v [B, KV, T, hd] (rotary applied)."""
+        B, T, _ = x.shape
+        c = self.cfg
+        h = rms_norm(x, self.ln1, c.eps)
+        q = self.q(h).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.k(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + attention output attn [B, H, T, hd], then the MLP. Returns the layer output [B, T, D]."""
+        B, _, T, _ = attn.shape
+        x = x + self.o(attn.transpose(1, 2).reshape(B, T, -1))
+        h = rms_norm(x, self.ln2, self.cfg.eps)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., V'] from layer outputs [..., D]."""
+        return rms_norm(out, self.norm, self.cfg.eps) @ self.lm_rows.T
+
+    # ------------------------------------------------------------------ training (TTT)
+
+    def forward_train(self, feats3: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """feats3 [B, T, 3D] target features at t, next_tokens [B, T] token t+1.
+        Returns per TTT step the draft logits [B, T, V'] predicting token t+2."""
+        B, T, _ = feats3.shape
+        pos = torch.arange(T, device=feats3.device).expand(B, T)
+        cos, sin = self.rope(pos, feats3.dtype)
+        feat = self.fc(feats3)  # [B, T, D]
+        keys, values, outs = [], [], []
+        t = torch.arange(T, device=feats3.device)
+        for j in range(1, steps + 1):
+            if j > 1:  # the parent's output at t-1 is the feature of a depth-j node at t
+                feat = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))
+            x = self.fused_input(next_tokens, feat)
+            q, k, v = self.qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            blocks = [t[None, :] <= (t[:, None] - j + 1)]  # step-1 rows up to the root at t-j+1
+            for i in range(2, j + 1):  # then the ancestor at depth i-1: step-i row at t-j+i
+                blocks.append(t[None, :] == (t[:, None] - j + i))
+            mask = torch.cat(blocks, dim=1)  # [T, j*T]
+            mask[:, (j - 1) * T :] |= torch.eye(T, dtype=torch.bool, device=mask.device)  # always see itself
+            attn = F.scaled_dot_product_attention(
+                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+            )  # [B, H, T, hd]
+            outs.append(self.finish(x, attn))
+        return [self.logits(o) for o in outs]
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.inference_mode()
+    def step(self, tokens, feat, positions, keys, values, start: int, mask, *, with_logits: bool = True):
+        """One forward over m new rows (written at cache rows start..start+m).
+        tokens [m], feat [m, D], positions [m]; keys/values [1, KV, max_len, hd]; mask [m, start+m] bool or None.
+        Returns (layer outputs [m, D], draft logits [m, V'] or None without `with_logits`)."""
+        m = tokens.shape[0]
+        x = self.fused_input(tokens, feat)[None]  # [1, m, D]
+        cos, sin = self.rope(positions[None], x.dtype)
+        q, k, v = self.qkv(x, cos, sin)
+        keys[:, :, start : start + m] = k
+        values[:, :, start : start + m] = v
+        attn = F.scaled_dot_product_attention(
+            q, keys[:, :, : start + m], values[:, :, : start + m],
+            attn_mask=None if mask is None else mask[None, None], enable_gqa=q.shape[1] != k.shape[1],
+        )  # [1, H, m, hd]
+        out = self.finish(x, attn)[0]  # [m, D]
+        return out, self.logits(out) if with_logits else None

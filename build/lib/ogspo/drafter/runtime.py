@@ -1,0 +1,159 @@
+"""`EagleDrafter`: the draft head behind the engine's `TreeDrafter` interface.
+
+The head keeps its own one-layer KV cache. Committed rows were computed from the target's real
+features; rows of drafted nodes (computed from the head's own outputs) stay pending and are
+dropped after verification, and the accepted tokens are re-encoded from the target features that
+verification already computed (no extra target pass).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from ogspo.engine.drafters import Expansion, Observation, TreeDrafter, accepted_path
+from ogspo.engine.target import ForwardOut, KVCache
+from ogspo.engine.tree import DraftTree
+
+from .head import EagleHead, HeadConfig
+
+WEIGHTS = "head.safetensors"
+META = "drafter.json"
+
+
+def load_head(path: Path, *, target_model, target_checksum: str | None = None) -> tuple[EagleHead, dict]:
+    """Load a trained head; refuse one trained for another target."""
+    path = Path(path)
+    if not (path / META).is_file() or not (path / WEIGHTS).is_file():
+        raise FileNotFoundError(f"drafter folder {path} lacks {META} or {WEIGHTS} (run the train_drafter stage)")
+    meta = json.loads((path / META).read_text())
+    if target_checksum is not None and meta.get("target_checksum") != target_checksum:
+        raise ValueError(
+            f"drafter {path} was trained for target {str(meta.get('target_checksum'))[:12]}..., "
+            f"not this target {target_checksum[:12]}..."
+        )
+    cfg = HeadConfig.from_dict(meta["head"])
+    if cfg.vocab != target_model.config.vocab_size or cfg.hidden != target_model.config.hidden_size:
+        raise ValueError(
+            f"drafter {path} expects a target with vocab {cfg.vocab} and hidden {cfg.hidden}, "
+            f"got {target_model.config.vocab_size} and {target_model.config.hidden_size}"
+        )
+    state = load_file(str(path / WEIGHTS))
+    embed = target_model.get_input_embeddings().weight
+    head = EagleHead(cfg, embed=embed, lm_rows=state["lm_rows"], d2t=state["d2t"])
+    head.load_state_dict(state, strict=True)
+    head.to(embed.device)  # the head runs where the target runs
+    head.eval()
+    return head, meta
+
+
+class EagleDrafter(TreeDrafter):
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, *, max_len: int = 4096, drafter_id: str = "eagle"):
+        self.head = head
+        self.drafter_id = drafter_id
+        c = head.cfg
+        self.feature_layers = c.feature_layers
+        self.device = head.lm_rows.device
+        self.cache = KVCache(n_layers=1, kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=max_len,
+                             dtype=torch.float32, device=self.device)
+        self.back_feats: list[torch.Tensor] = []  # fused features [*, D] waiting for their next token
+        self.back_tokens: list[int] = []
+        self.node_row = np.zeros(0, dtype=np.int64)
+        self.node_out: dict[int, torch.Tensor] = {}
+
+    def _features(self, out: ForwardOut | None, rows) -> torch.Tensor:
+        if out is None or out.features is None:
+            raise ValueError("the eagle drafter needs target features: build the target with the drafter's feature_layers")
+        with torch.inference_mode():
+            return self.head.fc(out.features[rows].float())  # [r, D]
+
+    def begin(self, prompt: list[int], target: ForwardOut | None) -> None:
+        """The drafter's own prefill: encode the pairs (f_t, x_{t+1}) of the prompt now, so that the
+        first cycle (and a same-trace re-run of any recorded cycle) costs what any cycle costs; the
+        last pair waits for its token, the root of the first cycle."""
+        c = self.cache
+        c.reset()
+        feats = self._features(target, slice(0, len(prompt)))  # [L, D]
+        n = len(prompt) - 1
+        if n > 0:
+            start = c.reserve(n)
+            dev = self.device
+            mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool, device=dev).tril_()  # causal over the prompt
+            with torch.inference_mode():
+                self.head.step(torch.tensor(prompt[1:], device=dev), feats[:n], torch.arange(start, start + n, device=dev),
+                               c.keys[0], c.values[0], start, mask, with_logits=False)
+            c.commit_prefix(n)
+        self.back_feats = [feats[n:]]
+        self.back_tokens = []
+        self.node_row = np.zeros(0, dtype=np.int64)
+        self.node_out = {}
+
+    def _expansion(self, logits: torch.Tensor, k: int) -> Expansion:
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [w, V']
+        top = logp.topk(k, dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        return Expansion(
+            tokens=self.head.d2t[top.indices].cpu().numpy().astype(np.int64),
+            logq=top.values.double().cpu().numpy(),
+            entropy=ent.double().cpu().numpy(),
+        )
+
+    def expand(self, tree: DraftTree, frontier: np.ndarray, k: int) -> Expansion:
+        c, dev = self.cache, self.device
+        if len(self.node_row) < len(tree):
+            self.node_row = np.concatenate([self.node_row, np.full(len(tree) - len(self.node_row), -1)])
+        k = min(k, self.head.cfg.draft_vocab)
+        if len(frontier) == 1 and frontier[0] == 0 and c.pending == 0:
+            feats = torch.cat(self.back_feats)  # [b, D]
+            toks = torch.tensor(self.back_tokens + [int(tree.tokens[0])], device=dev)
+            b = toks.shape[0]
+            start = c.reserve(b)
+            causal = None if b == 1 else torch.ones(b, start + b, dtype=torch.bool, device=dev).tril_(start)  # [b, start + b]
+            out, logits = self.head.step(toks, feats, torch.arange(start, start + b, device=dev), c.keys[0], c.values[0], start,
+                                         causal)
+            c.commit_prefix(b - 1)
+            self.back_feats, self.back_tokens = [], []
+            self.node_row[0] = c.length
+            self.node_out = {0: out[-1]}
+            return self._expansion(logits[-1:], k)
+        w = len(frontier)
+        start = c.reserve(w)
+        mask = np.zeros((w, start + w), dtype=bool)  # built on the host, sent once
+        mask[:, : c.length] = True
+        for i, f in enumerate(frontier):
+            a = tree.parents[f]
+            while a >= 0:
+                mask[i, self.node_row[a]] = True
+                a = tree.parents[a]
+            mask[i, start + i] = True
+        feat = torch.stack([self.node_out[int(tree.parents[f])] for f in frontier])  # [w, D]
+        pos = torch.as_tensor(c.length + tree.depths[frontier], device=dev)  # [w]
+        out, logits = self.head.step(torch.as_tensor(tree.tokens[frontier], device=dev), feat, pos, c.keys[0], c.values[0], start,
+                                     torch.as_tensor(mask, device=dev))
+        self.node_row[frontier] = start + np.arange(w)
+        for i, f in enumerate(frontier):
+            self.node_out[int(f)] = out[i]
+        return self._expansion(logits, k)
+
+    def observe(self, obs: Observation) -> None:
+        path = accepted_path(obs)
+        row_of = np.full(len(obs.tree), -1, dtype=np.int64)
+        row_of[obs.verified] = np.arange(len(obs.verified))
+        feats = self._features(obs.target, torch.as_tensor(row_of[path], device=self.device))  # [k+1, D]
+        forwarded = len(self.node_row) > 0 and self.node_row[0] >= 0
+        if forwarded:  # keep the root row (built from real features), re-encode the accepted tokens
+            self.cache.commit(torch.tensor([int(self.node_row[0])], device=self.device))
+            self.back_feats, self.back_tokens = [feats], []
+        else:  # nothing drafted this cycle: the root completes the waiting pair
+            self.cache.commit(None)
+            self.back_tokens.append(int(obs.tree.tokens[0]))
+            self.back_feats.append(feats)
+        self.back_tokens.extend(int(t) for t in obs.tree.tokens[path[1:]])
+        self.node_row = np.zeros(0, dtype=np.int64)
+        self.node_out = {}

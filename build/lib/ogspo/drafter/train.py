@@ -1,0 +1,302 @@
+"""Train the EAGLE-3-style head with training-time test, on data built from the target's own answers
+(stage: `stages.train_drafter`).
+
+Deterministic given the seed (data order, initialisation, sampling of batches). Checkpoints every
+`checkpoint_every` steps into `work_dir`, and an interrupted run resumes from the last one; the
+annotated data is cached there as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generate_annotated, generate_batched,
+                   stdlib_sequences, train_prompts)
+from .head import EagleHead, HeadConfig
+from .runtime import META, WEIGHTS
+
+from ogspo.artifacts.io import atomic_write
+from ogspo.artifacts.settings import settings
+from ogspo.engine.target import LlamaTreeLM, build_tree_lm
+
+
+@dataclass
+class TrainResult:
+    path: Path
+    steps: int
+    train_tokens: int
+    data_seconds: float
+    train_seconds: float
+    val_top1: list[float]  # held-out top-1 agreement with the target per TTT step
+    val_loss: float
+    history: list[dict] = field(default_factory=list)
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict, head_cfg: HeadConfig,
+               seed: int, work_dir: Path) -> list[Sequence]:
+    gen_key = {k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "top_k", "extra_fortunes",
+                                   "extra_functions", "sampled")} | {
+        "version": 4, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
+    key = _hash(gen_key | {k: cfg[k] for k in ("stdlib_tokens", "seq_len")} | {"seed": seed})
+    cache = work_dir / f"data-{key}.pt"
+    if cache.is_file():
+        return torch.load(cache, weights_only=False)
+    prompts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
+                            max_per_workload=cfg["prompts_per_workload"] or None)
+    prompts += corpus_prompts(workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, tokenizer=tokenizer,
+                              fortunes=cfg["extra_fortunes"], functions=cfg["extra_functions"], seed=seed)
+    gen_cache = work_dir / f"generated-{_hash(gen_key)}.pt"  # the expensive part, kept on its own
+    if gen_cache.is_file():
+        data = torch.load(gen_cache, weights_only=False)
+    else:
+        rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
+        lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
+        kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
+        if isinstance(lm, LlamaTreeLM):  # the batched forward
+            data = generate_batched(lm, prompts, batch=cfg["gen_batch"], **kw)
+            for k in range(cfg["sampled"]):
+                data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
+        elif cfg["sampled"]:
+            raise ValueError(f"drafter.sampled needs a target with a batched forward (Llama-like), not '{model.config.model_type}'")
+        else:
+            data = generate_annotated(lm, prompts, pack=cfg["gen_batch"], **kw)
+        del lm
+        _atomic_torch_save(data, gen_cache)
+    code = stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed)
+    data += annotate(model, code, feature_layers=head_cfg.feature_layers, top_k=cfg["top_k"], batch_tokens=cfg["annotate_batch_tokens"])
+    _atomic_torch_save(data, cache)
+    return data
+
+
+def chunk_index(seqs: list[Sequence], seq_len: int) -> np.ndarray:
+    """(sequence, start) of every training window of up to seq_len head positions."""
+    out = []
+    for i, s in enumerate(seqs):
+        n = len(s.tokens) - 1  # head positions: t = 0..n-1 take (f_t, x_{t+1})
+        for a in range(0, max(n, 1), seq_len):
+            if n - a >= 8:
+                out.append((i, a))
+    return np.array(out, dtype=np.int64)
+
+
+def window_lengths(seqs: list[Sequence], windows: np.ndarray, seq_len: int) -> np.ndarray:
+    return np.array([min(seq_len, len(seqs[i].tokens) - 1 - a) for i, a in windows], dtype=np.int64)
+
+
+def token_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Windows grouped by length into batches of at most `batch_tokens` padded positions (few pad rows)."""
+    order = np.argsort(lengths, kind="stable")
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            out.append(np.array(cur))
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(np.array(cur))
+    return out
+
+
+def batch_at(batches: list[np.ndarray], step: int, seed: int) -> np.ndarray:
+    """Batch of training step `step`: every epoch visits all batches in its own seeded order, so a
+    resumed run continues exactly where it stopped."""
+    epoch, k = divmod(step, len(batches))
+    order = np.random.default_rng([seed, epoch]).permutation(len(batches))
+    return batches[order[k]]
+
+
+def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int, device: torch.device):
+    """A training batch of `windows`, built on the CPU (where the data lives) and sent to `device`:
+    (features [B, T, 3D], next tokens [B, T], draft ids [B, T, K], target probs [B, T, K], valid [B, T],
+    target top-1 [B, T])."""
+    B = len(windows)
+    seq_len = max(min(seq_len, len(seqs[i].tokens) - 1 - a) for i, a in windows)  # trim padding
+    D3 = seqs[0].feats.shape[1]
+    K = seqs[0].top_ids.shape[1]
+    cpu = torch.device("cpu")
+    feats = torch.zeros(B, seq_len, D3, device=cpu)
+    nxt = torch.zeros(B, seq_len, dtype=torch.long, device=cpu)
+    tid = torch.zeros(B, seq_len, K, dtype=torch.long, device=cpu)
+    tp = torch.zeros(B, seq_len, K, device=cpu)
+    valid = torch.zeros(B, seq_len, dtype=torch.bool, device=cpu)
+    for b, (i, a) in enumerate(windows):
+        s = seqs[i]
+        n = min(seq_len, len(s.tokens) - 1 - a)
+        feats[b, :n] = s.feats[a : a + n].float()
+        nxt[b, :n] = s.tokens[a + 1 : a + 1 + n].long()
+        tid[b, :n] = s.top_ids[a + 1 : a + 1 + n].long()  # target's distribution of token t+2
+        tp[b, :n] = s.top_p[a + 1 : a + 1 + n].float()
+        valid[b, :n] = True
+    valid &= tp.sum(-1) > 0  # prompt positions carry no target distribution
+    did = t2d[tid]  # [B, T, K] draft ids, -1 outside the draft vocabulary
+    tp = tp * (did >= 0)
+    return tuple(t.to(device) for t in (feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]))
+
+
+def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
+    feats, nxt, did, tp, valid, top1 = batch
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=feats.device.type == "cuda"):  # bf16 matmuls on CUDA
+        outs = head.forward_train(feats, nxt, steps)
+    total, losses, accs = 0.0, [], []
+    for j, logits in enumerate(outs, start=1):
+        m = valid.clone()
+        m[:, : j - 1] = False  # no root before t - j + 1
+        logq = F.log_softmax(logits.float(), -1)  # [B, T, V']
+        ce = -(tp * logq.gather(-1, did)).sum(-1)  # [B, T]
+        loss = (ce * m).sum() / m.sum().clamp(min=1)
+        total = total + (decay ** (j - 1)) * loss
+        losses.append(float(loss.detach()))
+        pred = head.d2t[logits.argmax(-1)]
+        accs.append(float(((pred == top1) & m).sum() / m.sum().clamp(min=1)))
+    return total, losses, accs
+
+
+def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: dict, seed: int, start: int, history: list,
+                 checkpoint) -> None:
+    """Steps start..cfg["steps"] of training (appending to `history`), saving a resumable checkpoint
+    every `checkpoint_every` steps; checkpoint = (path, run key, numpy generator)."""
+    ckpt, run_key, rng = checkpoint
+    head.train()
+    bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
+    for step in bar:
+        batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"], head.d2t.device)
+        loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % 25 == 0 or step == cfg["steps"] - 1:
+            history.append({"step": step, "loss": losses, "top1": accs})
+            bar.set_postfix(loss=f"{losses[0]:.3f}", top1=f"{accs[0]:.3f}")
+        if (step + 1) % cfg["checkpoint_every"] == 0 and step + 1 < cfg["steps"]:
+            _atomic_torch_save(
+                {"key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                 "step": step + 1, "history": history, "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()},
+                ckpt,
+            )
+
+
+def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch.Tensor, cfg: dict, batch_tokens: int):
+    """Summed held-out TTT losses and top-1 agreements per step, and the number of batches."""
+    head.eval()
+    with torch.no_grad():
+        vl, va, nb = np.zeros(cfg["ttt_steps"]), np.zeros(cfg["ttt_steps"]), 0
+        for b in token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens):
+            batch = make_batch(seqs, val[b], t2d, cfg["seq_len"], head.d2t.device)
+            _, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
+            vl += losses
+            va += accs
+            nb += 1
+    return vl, va, nb
+
+
+def _write_head(head: EagleHead, meta: dict, out_dir: Path) -> None:
+    """The drafter folder (weights + drafter.json), built beside `out_dir` and renamed over it."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS))
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def train_drafter(
+    *,
+    model,
+    tokenizer,
+    target_checksum: str,
+    workloads_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    fortunes_dir: Path | None = None,
+    config: dict | None = None,
+    seed: int = 0,
+) -> TrainResult:
+
+    cfg = settings("drafter", config)
+    torch.manual_seed(seed)
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
+
+    t0 = time.perf_counter()
+    seqs = build_data(model=model, tokenizer=tokenizer, workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, work_dir=work_dir)
+    data_s = time.perf_counter() - t0
+
+    d2t = draft_vocabulary(seqs, size=head_cfg.draft_vocab, vocab=head_cfg.vocab, always=[tokenizer.eos_token_id])
+    t2d = torch.full((head_cfg.vocab,), -1, dtype=torch.long, device="cpu")  # indexes the CPU-side data
+    t2d[d2t] = torch.arange(len(d2t), device="cpu")
+    head = EagleHead(head_cfg, embed=model.get_input_embeddings().weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t)
+    head.init_from_target(model)
+    del model
+
+    windows = chunk_index(seqs, cfg["seq_len"])
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(windows))
+    n_val = max(1, int(len(windows) * cfg["val_fraction"]))
+    val, train = windows[perm[:n_val]], windows[perm[n_val:]]
+    batch_tokens = cfg["batch_size"] * cfg["seq_len"]
+    batches = token_batches(window_lengths(seqs, train, cfg["seq_len"]), batch_tokens)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg["warmup"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"])))
+    )
+    run_key = _hash(cfg | {"seed": seed, "n_windows": len(windows)})
+    ckpt = work_dir / "checkpoint.pt"
+    start, history = 0, []
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        if state["key"] == run_key:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            start, history = state["step"], state["history"]
+            rng.bit_generator.state = state["rng"]
+            torch.set_rng_state(state["torch_rng"])
+    t1 = time.perf_counter()
+    _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed, start=start,
+                 history=history, checkpoint=(ckpt, run_key, rng))
+    train_s = time.perf_counter() - t1
+
+    vl, va, nb = _validate(head, seqs, val, t2d, cfg, batch_tokens)
+    n_tokens = int(sum(len(s.tokens) for s in seqs))
+    meta = {
+        "kind": "eagle3-head",
+        "target_checksum": target_checksum,
+        "head": head_cfg.to_dict(),
+        "train": cfg | {"seed": seed},
+        "metrics": {"val_loss_step1": float(vl[0] / nb), "val_top1": (va / nb).tolist(), "train_tokens": n_tokens,
+                    "data_seconds": data_s, "train_seconds": train_s, "steps": cfg["steps"], "history": history},
+    }
+    out_dir = Path(out_dir)
+    _write_head(head, meta, out_dir)
+    if ckpt.is_file():
+        ckpt.unlink()
+    return TrainResult(path=out_dir, steps=cfg["steps"], train_tokens=n_tokens, data_seconds=data_s, train_seconds=train_s,
+                       val_top1=(va / nb).tolist(), val_loss=float(vl[0] / nb), history=history)

@@ -1,0 +1,1 @@
+"""Lossless tree speculative decoding: trees, target forwards, drafters, policies, verification."""

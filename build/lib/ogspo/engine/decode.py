@@ -1,0 +1,248 @@
+"""The decoding cycle (docs/DESIGN.md §1): draft level by level, verify the tree in one target pass,
+commit the accepted path plus a bonus token, and compact the KV cache to the accepted rows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .drafters import Observation, TreeDrafter
+from .policies import CycleContext, StopHook, TreePolicy
+from .target import ForwardOut, TreeLM, synchronize
+from .tree import DraftTree, ancestor_matrix
+from .verify import (
+    CycleRandom,
+    Verdict,
+    cycle_seed,
+    sample_inverse_cdf,
+    target_probs,
+    verify_greedy,
+    verify_stochastic,
+)
+
+
+@dataclass
+class CycleStats:
+    draft_seconds: list[float]  # per drafted level
+    verify_seconds: float  # the target's tree forward
+    cycle_seconds: float  # the whole cycle
+    tree_size: int  # verified drafted nodes (root excluded)
+    depth: int  # depth of the verified tree
+    accepted: int  # tokens committed (bonus included)
+    seed: int
+
+    @property
+    def other_seconds(self) -> float:
+        return self.cycle_seconds - sum(self.draft_seconds) - self.verify_seconds
+
+
+@dataclass
+class CycleTrace:
+    """Everything one cycle saw, handed to an engine's optional `cycle_observer` (records, same-trace runs)."""
+
+    request_seed: int
+    index: int  # cycle index within the request (1-based, as in cycle_seed)
+    root: int  # root token (the last committed token)
+    context_length: int  # committed KV rows before the cycle (the root is not among them)
+    drafted: DraftTree  # every drafted node
+    verified: np.ndarray  # [m] drafted-tree indices sent to verification, root first
+    tree: DraftTree  # the verified tree (rows of `logits`)
+    logits: torch.Tensor  # [m, vocab] target logits, one row per verified node
+    verdict: Verdict  # path/matches index `tree`
+    committed: list[int]  # accepted drafted tokens then the bonus token
+    stats: CycleStats
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]
+    prefill_seconds: float
+    wall_seconds: float  # whole request, prefill included
+    cycles: list[CycleStats] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per cycle, bonus included."""
+        return float(np.mean([c.accepted for c in self.cycles])) if self.cycles else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Complete-request throughput: generated tokens / wall time (prefill included)."""
+        return len(self.tokens) / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def time_split(self) -> dict[str, float]:
+        draft = sum(sum(c.draft_seconds) for c in self.cycles)
+        verify = sum(c.verify_seconds for c in self.cycles)
+        other = sum(c.other_seconds for c in self.cycles)
+        return {"prefill": self.prefill_seconds, "draft": draft, "verify": verify, "other": other}
+
+
+class SpeculativeEngine:
+    """Lossless tree speculative decoding over a `TreeLM` target, any drafter and any tree policy."""
+
+    def __init__(
+        self,
+        *,
+        target: TreeLM,
+        policy: TreePolicy,
+        drafter: TreeDrafter | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        eos_token_id: int | None = None,
+        stop_hook: StopHook | None = None,
+        cycle_observer: Callable[[CycleTrace], None] | None = None,
+    ):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if policy.max_nodes > 1 and drafter is None:
+            raise ValueError(f"method '{policy.name}' drafts a tree and needs a drafter")
+        self.target, self.policy, self.drafter = target, policy, drafter
+        self.temperature, self.top_p = temperature, top_p
+        self.eos_token_id = eos_token_id
+        self.stop_hook = stop_hook
+        self.cycle_observer = cycle_observer  # called after every cycle (outside its timing)
+
+    def _check_prompt(self, prompt: list[int], max_new_tokens: int) -> None:
+        if len(prompt) == 0:
+            raise ValueError("empty prompt: give at least one token")
+        limit = getattr(self.target.config, "max_position_embeddings", None) or self.target.cache.max_len
+        need = len(prompt) + max_new_tokens + self.policy.max_nodes
+        if len(prompt) >= limit:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds the model's context of {limit} tokens")
+        if need > min(limit, self.target.cache.max_len):
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + tree ({self.policy.max_nodes}) "
+                f"= {need} tokens exceeds the limit of {min(limit, self.target.cache.max_len)}"
+            )
+
+    def _first_token(self, logits: torch.Tensor, seed: int) -> int:
+        if self.temperature == 0:
+            return int(logits.argmax())
+        p = target_probs(logits[None].cpu(), temperature=self.temperature, top_p=self.top_p)[0]  # [V]
+        return sample_inverse_cdf(p, CycleRandom.from_seed(cycle_seed(seed, 0)).bonus[0])
+
+    def generate(
+        self,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        """Generate up to `max_new_tokens` tokens after `prompt` (stops after EOS)."""
+        self._check_prompt(prompt, max_new_tokens)
+        t_start = time.perf_counter()
+        L = len(prompt)
+        pre = self._prefill(prompt)
+        out = [self._first_token(pre.logits[0], seed)]
+        prefill_s = time.perf_counter() - t_start
+        if on_tokens:
+            on_tokens(out[:])
+        cycles: list[CycleStats] = []
+        while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
+            ctx = CycleContext(context_length=self.target.cache.length, request_seed=seed, index=len(cycles) + 1,
+                               prompt_length=L)
+            stats, committed = self._cycle(out[-1], ctx)
+            cycles.append(stats)
+            room = max_new_tokens - len(out)
+            if self.eos_token_id is not None and self.eos_token_id in committed:
+                committed = committed[: committed.index(self.eos_token_id) + 1]
+            out.extend(committed[:room])
+            if on_tokens:
+                on_tokens(committed[:room])
+        return GenerationResult(
+            prompt_tokens=L,
+            tokens=out,
+            prefill_seconds=prefill_s,
+            wall_seconds=time.perf_counter() - t_start,
+            cycles=cycles,
+        )
+
+    def _cycle(self, root: int, ctx: CycleContext) -> tuple[CycleStats, list[int]]:
+        t0 = time.perf_counter()
+        cache, dev = self.target.cache, self.target.device
+        draft = self.policy.draft(self.drafter, root, ctx, stop_hook=self.stop_hook)
+        tree = draft.drafted
+        if len(draft.verified) < len(tree):
+            tree, _ = tree.subset(draft.verified)
+        n = len(tree)
+        L = cache.length
+        positions = torch.as_tensor(L + tree.depths, device=dev)  # [n]
+        attend = None if n == 1 else torch.as_tensor(ancestor_matrix(tree.parents, tree.depths), device=dev)  # [n, n]
+        tokens = torch.as_tensor(tree.tokens, device=dev)  # [n]
+        synchronize(dev)
+        t1 = time.perf_counter()
+        fwd = self.target.forward(tokens, positions, attend)
+        synchronize(dev)
+        t2 = time.perf_counter()
+        seed = cycle_seed(ctx.request_seed, ctx.index)
+        verdict: Verdict
+        if self.temperature == 0:
+            verdict = verify_greedy(tree, fwd.logits)
+        else:
+            verdict = verify_stochastic(
+                tree, fwd.logits, CycleRandom.from_seed(seed), temperature=self.temperature, top_p=self.top_p
+            )
+        path = np.asarray(verdict.path, dtype=np.int64)
+        cache.commit(torch.as_tensor(L + path, device=dev))
+        committed = [int(t) for t in tree.tokens[path[1:]]] + [verdict.bonus]
+        if self.drafter is not None:
+            mask = np.zeros(len(draft.drafted), dtype=bool)
+            mask[draft.verified[path]] = True
+            self.drafter.observe(
+                Observation(
+                    tree=draft.drafted, accept_mask=mask, committed=committed, target=fwd, verified=draft.verified
+                )
+            )
+        synchronize(dev)
+        t3 = time.perf_counter()
+        stats = CycleStats(
+            draft_seconds=draft.level_seconds,
+            verify_seconds=t2 - t1,
+            cycle_seconds=t3 - t0,
+            tree_size=n - 1,
+            depth=int(tree.depths.max()),
+            accepted=len(committed),
+            seed=seed,
+        )
+        if self.cycle_observer is not None:
+            self.cycle_observer(
+                CycleTrace(
+                    request_seed=ctx.request_seed, index=ctx.index, root=root, context_length=L, drafted=draft.drafted,
+                    verified=draft.verified, tree=tree, logits=fwd.logits, verdict=verdict, committed=committed,
+                    stats=stats,
+                )
+            )
+        return stats, committed
+
+    def cycle_from(self, context: list[int], root: int, *, request_seed: int, index: int,
+                   prompt_length: int | None = None) -> tuple[CycleStats, list[int]]:
+        """Run one cycle after committed `context` with root token `root`, using the random numbers of
+        cycle `index` of request `request_seed`: a same-trace execution of that recorded cycle.
+        `prompt_length` is where the request started (default: unknown, the whole context)."""
+        self._check_prompt(list(context) + [root], 1)
+        self._prefill(list(context))
+        ctx = CycleContext(context_length=len(context), request_seed=request_seed, index=index,
+                           prompt_length=len(context) if prompt_length is None else prompt_length)
+        return self._cycle(int(root), ctx)
+
+    def _prefill(self, prompt: list[int]) -> ForwardOut:
+        """Fill the target cache with the prompt and begin the drafter; returns the target's output
+        (logits of the last position, features of every position)."""
+        cache, dev = self.target.cache, self.target.device
+        cache.reset()
+        L = len(prompt)
+        pre = self.target.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None,
+                                  logits_rows=torch.tensor([L - 1], device=dev))
+        cache.commit_prefix(L)
+        self.policy.begin(list(prompt))
+        if self.drafter is not None:
+            self.drafter.begin(list(prompt), pre)
+        return pre

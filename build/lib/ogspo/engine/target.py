@@ -1,0 +1,392 @@
+"""Target models with a preallocated KV cache and tree attention.
+
+Two backends share one interface (`TreeLM`):
+
+- `LlamaTreeLM`: a small gpt-fast-style forward for the Llama architecture (SmolLM2, Llama 2/3,
+  Mistral without sliding window) that reads the transformers weights in place. Fused QKV and
+  gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA; every matmul goes
+  through the device's measured kernel table (`engine.kernels`), torch's `F.linear` without one.
+- `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D float mask and
+  explicit position ids, through transformers' own forward with a preallocated cache layer.
+
+The cache has a *committed* part (rows 0..length) and a *pending* part (rows written by forwards
+since the last commit). A forward over m new tokens attends to every committed row and to the
+pending rows its `attend` mask allows (its own ancestors in the tree). `commit(rows)` keeps the
+chosen pending rows (the accepted path) and drops the rest, without re-running the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import LAYER_OPS, KernelTable, Matmul, check_usable, layer_ops_shape
+from .layer_ops import TORCH, Step, TorchLayerOps, make_layer_ops
+
+LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: every timed region that feeds the latency model, records or
+    evaluation ends with this (CUDA runs asynchronously; on the CPU it is a no-op)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor  # [m, vocab]
+    features: torch.Tensor | None  # [m, n_feature_layers * dim] hidden states of the chosen layers, or None
+
+
+class KVCache:
+    """Preallocated per-layer keys/values: [1, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, *, n_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
+        shape = (1, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0  # committed rows
+        self.pending = 0  # rows written since the last commit
+
+    @property
+    def end(self) -> int:
+        return self.length + self.pending
+
+    def reserve(self, m: int) -> int:
+        """Claim m new pending rows; returns their first row."""
+        start = self.end
+        if start + m > self.max_len:
+            raise ValueError(f"sequence of {start + m} tokens exceeds the cache of {self.max_len}")
+        self.pending += m
+        return start
+
+    def commit(self, rows: torch.Tensor | None) -> None:
+        """Keep pending rows `rows` (absolute, ascending) as the next committed rows; drop the rest."""
+        if rows is not None and len(rows) > 0:
+            k = len(rows)
+            first = self.length
+            contiguous = int(rows[0]) == first and int(rows[-1]) == first + k - 1
+            if not contiguous:
+                for kk, vv in zip(self.keys, self.values):
+                    kk[:, :, first : first + k] = kk[:, :, rows]  # [1, kvh, k, hd]
+                    vv[:, :, first : first + k] = vv[:, :, rows]
+            self.length += k
+        self.pending = 0
+
+    def commit_prefix(self, m: int) -> None:
+        """Make the first m pending rows committed (they are already in place)."""
+        self.length += m
+        self.pending -= m
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pending = 0
+
+
+@dataclass
+class BatchKVCache:
+    """Keys/values of B sequences side by side: [B, kv_heads, max_len, head_dim] per layer; rows
+    0..length are filled (padding rows included, masked by the caller's `valid`)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+
+class TreeLM:
+    """Interface of a model that runs tree forwards over a committed KV cache."""
+
+    config = None
+    vocab_size: int
+    cache: KVCache
+    device: torch.device = torch.device("cpu")  # where the weights and the cache live
+
+    def new_cache(self, max_len: int) -> KVCache:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [m] int64
+        positions: torch.Tensor,  # [m] int64
+        attend: torch.Tensor | None,  # [m, pending + m] bool over pending rows and the new rows; None = causal
+        *,
+        logits_rows: torch.Tensor | None = None,
+    ) -> ForwardOut:
+        raise NotImplementedError
+
+    def full_mask(self, attend: torch.Tensor | None, m: int) -> torch.Tensor | None:
+        """Boolean mask [m, committed + pending + m]: committed rows always visible."""
+        c = self.cache
+        if attend is None:
+            if m == 1:
+                return None
+            attend = torch.ones(m, c.pending + m, dtype=torch.bool, device=self.device).tril_(c.pending)
+        head = torch.ones(m, c.length, dtype=torch.bool, device=self.device)
+        return torch.cat([head, attend], dim=1)
+
+
+def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
+    pos = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)
+    freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_len, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, hd]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+class LlamaTreeLM(TreeLM):
+    """Tree forward for Llama-like transformers models, weights shared with the HF module."""
+
+    def __init__(
+        self,
+        hf_model,
+        *,
+        max_len: int = 2048,
+        feature_layers: tuple[int, ...] = (),
+        n_layers: int | None = None,
+        kernels: KernelTable | None = None,
+    ):
+        """`n_layers` keeps only the first layers (then the final norm and LM head): an early-exit
+        self-drafter that shares the target's weights and tokenizer. `kernels`: the device's kernel
+        table (`ogspo calibrate-kernels`); None runs every matmul with `F.linear`."""
+        cfg = hf_model.config
+        if cfg.model_type not in LLAMA_LIKE:
+            raise ValueError(f"LlamaTreeLM supports {sorted(LLAMA_LIKE)}, not '{cfg.model_type}'")
+        if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+            raise ValueError("LlamaTreeLM does not implement sliding-window attention; use backend 'hf'")
+        self.hf_model = hf_model
+        self.config = cfg
+        inner = hf_model.model
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.n_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.feature_layers = tuple(feature_layers)
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = hf_model.lm_head.weight
+        self.layers = []
+        fused = {c: [] for c in ("qkv", "o", "gate_up", "down")}
+        with torch.no_grad():
+            for layer in inner.layers[: n_layers or len(inner.layers)]:
+                a, m = layer.self_attn, layer.mlp
+                bqkv = None
+                if a.q_proj.bias is not None:
+                    bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
+                fused["qkv"].append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0))  # [(H + 2KV) * hd, dim]
+                fused["o"].append(a.o_proj.weight)  # [dim, H * hd]
+                fused["gate_up"].append(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0))  # [2 * inter, dim]
+                fused["down"].append(m.down_proj.weight)  # [dim, inter]
+                self.layers.append(dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight))
+        shapes = {c: list(ws[0].shape) for c, ws in fused.items()} | {"lm_head": list(self.lm_head.shape)}
+        self.layer_ops_shape = layer_ops_shape(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                               dim=self.embed.shape[1], inter=fused["gate_up"][0].shape[0] // 2)
+        shapes[LAYER_OPS] = self.layer_ops_shape
+        if kernels is not None:
+            check_usable(kernels, str(self.device), self.dtype)
+            kernels.check_shapes(shapes)
+        self.kernels = kernels
+        self.mm = {c: Matmul(c, ws, kernels) for c, ws in fused.items()}  # the matmul classes
+        self.mm["lm_head"] = Matmul("lm_head", [self.lm_head], kernels)
+        rot = inner.rotary_emb
+        self.max_len = max_len
+        self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
+        self._ops_torch = TorchLayerOps(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
+        self._ops = {TORCH: self._ops_torch}  # implementation name -> instance
+        self._ops_by_rows: dict[int, object] = {}  # row count -> instance
+        self.cache = self.new_cache(max_len)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(
+            n_layers=len(self.layers),
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def layer_ops(self, m: int):
+        """The layer-ops implementation the kernel table picked for single-sequence forwards of m rows
+        (looked up once per row count, like `Matmul.plan`)."""
+        ops = self._ops_by_rows.get(m)
+        if ops is None:
+            name = TORCH if self.kernels is None or self.device.type != "cpu" else self.kernels.layer_ops(m)
+            ops = self._ops.get(name)
+            if ops is None:
+                ops = self._ops[name] = make_layer_ops(name, n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                                       eps=self.eps)
+            self._ops_by_rows[m] = ops
+        return ops
+
+    def _layers(self, x, step: Step, keys, values, ops):
+        """The decoder layers and the final norm over B sequences of m new tokens: x [B, m, dim] the
+        embeddings; keys/values: per-layer caches [B, KV, max_len, hd] whose rows step.start..+m
+        are written here. Returns the normed final hidden state [B, m, dim] and the chosen feature
+        layers' outputs [B, m, n_feat * dim] (or None)."""
+        mm = self.mm
+        feats: dict[int, torch.Tensor] = {}
+        r = None  # the residual branch not yet added to x
+        for i, L in enumerate(self.layers):
+            x, h = ops.add_rmsnorm(x, r, L["ln1"])  # x: the output of layer i - 1
+            if i - 1 in self.feature_layers:
+                feats[i - 1] = x.clone()  # the native ops update x in place
+            o = ops.rope_attention(mm["qkv"](i, h), L["bqkv"], step, keys[i], values[i])  # [B, m, H * hd]
+            x, h = ops.add_rmsnorm(x, mm["o"](i, o), L["ln2"])
+            r = mm["down"](i, ops.silu_mul(mm["gate_up"](i, h)))  # [B, m, dim]
+        x, h = ops.add_rmsnorm(x, r, self.norm)
+        if len(self.layers) - 1 in self.feature_layers:
+            feats[len(self.layers) - 1] = x
+        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [B, m, n_feat * dim]
+        return h, features
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
+        c = self.cache
+        m = tokens.shape[0]
+        mask = self.full_mask(attend, m)  # [m, end+m] bool or None
+        committed = c.length
+        start = c.reserve(m)
+        step = Step(positions=positions[None], start=start, committed=committed, attend=attend,
+                    mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin)
+        x = F.embedding(tokens, self.embed)[None]  # [1, m, dim]
+        h, features = self._layers(x, step, c.keys, c.values, self.layer_ops(m))
+        h = h[0]  # [m, dim]
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return ForwardOut(logits=self.mm["lm_head"](0, h), features=None if features is None else features[0])
+
+    def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
+        if max_len > self.max_len:
+            raise ValueError(f"sequence of {max_len} tokens exceeds the rope table of {self.max_len}")
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        z = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        return BatchKVCache(keys=[z() for _ in self.layers], values=[z() for _ in self.layers])
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens, positions, cache: BatchKVCache, valid) -> ForwardOut:
+        """Causal forward of B sequences side by side (no tree, no shared rows): tokens and positions
+        [B, m] fill rows cache.length..+m of every sequence; `valid` [B, >= length + m] bool marks
+        real rows (False = left padding, never attended to). Logits [B, m, vocab], features
+        [B, m, n_feat * dim]. A padding row attends to itself only, so every row stays finite."""
+        B, m = tokens.shape
+        start = cache.length
+        new = torch.ones(m, m, dtype=torch.bool, device=self.device).tril_() & valid[:, None, start : start + m]  # [B, m, m]
+        new |= torch.eye(m, dtype=torch.bool, device=self.device)
+        mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]
+        step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin)
+        x = F.embedding(tokens, self.embed)  # [B, m, dim]
+        h, features = self._layers(x, step, cache.keys, cache.values, self._ops_torch)
+        cache.length = start + m
+        return ForwardOut(logits=self.mm["lm_head"](0, h), features=features)
+
+
+class _PreallocatedLayer:
+    """A transformers cache layer that writes into our preallocated KVCache rows."""
+
+    is_sliding = False
+    is_compileable = False
+    is_initialized = True
+
+    def __init__(self, cache: KVCache, idx: int):
+        self.cache, self.idx = cache, idx
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        c = self.cache
+        m = key_states.shape[-2]
+        start = c.end - m  # rows already reserved by HFTreeLM.forward
+        c.keys[self.idx][:, :, start : c.end] = key_states
+        c.values[self.idx][:, :, start : c.end] = value_states
+        return c.keys[self.idx][:, :, : c.end], c.values[self.idx][:, :, : c.end]
+
+    def get_seq_length(self) -> int:
+        return self.cache.end
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.end + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class HFTreeLM(TreeLM):
+    """Tree forward through transformers' own modules (any architecture taking a 4-D float mask)."""
+
+    def __init__(self, hf_model, *, max_len: int = 2048, feature_layers: tuple[int, ...] = ()):
+        from transformers.cache_utils import Cache
+
+        self.hf_model = hf_model
+        self.config = cfg = hf_model.config
+        if getattr(cfg, "sliding_window", None) or getattr(cfg, "layer_types", None) and any(
+            t != "full_attention" for t in cfg.layer_types
+        ):
+            raise ValueError(
+                f"architecture '{cfg.model_type}' uses sliding-window or non-attention layers; tree attention "
+                "needs full attention with a custom 4-D mask"
+            )
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.vocab_size = cfg.vocab_size
+        self.feature_layers = tuple(feature_layers)
+        self.n_layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._Cache = Cache
+        self.max_len = max_len
+        self.cache = self.new_cache(max_len)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        kv = KVCache(
+            n_layers=self.n_layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._hf_cache = self._Cache(layers=[_PreallocatedLayer(kv, i) for i in range(self.n_layers)])
+        return kv
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
+        c = self.cache
+        m = tokens.shape[0]
+        mask = self.full_mask(attend, m)
+        if mask is None:
+            mask = torch.ones(1, c.end + 1, dtype=torch.bool, device=self.device)
+        c.reserve(m)
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
+        out = self.hf_model.model(
+            input_ids=tokens[None],
+            attention_mask=bias[None, None],  # [1, 1, m, end]
+            position_ids=positions[None],
+            cache=self._hf_cache,
+            use_cache=True,
+            output_hidden_states=bool(self.feature_layers),
+        )
+        h = out.last_hidden_state[0]  # [m, dim]
+        if logits_rows is not None:
+            h = h[logits_rows]
+        logits = self.hf_model.lm_head(h)
+        feats = None
+        if self.feature_layers:
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], -1)
+        return ForwardOut(logits=logits, features=feats)
+
+
+def build_tree_lm(
+    hf_model, *, backend: str = "auto", max_len: int = 2048, feature_layers=(), kernels: KernelTable | None = None
+) -> TreeLM:
+    """Wrap a transformers causal LM for tree forwards. backend: 'auto', 'llama' or 'hf'; `kernels`
+    (the device's kernel table) applies to the 'llama' backend."""
+    if backend not in ("auto", "llama", "hf"):
+        raise ValueError(f"unknown backend '{backend}'; allowed: auto, llama, hf")
+    model_type = hf_model.config.model_type
+    if backend == "llama" or (backend == "auto" and model_type in LLAMA_LIKE and not getattr(hf_model.config, "sliding_window", None)):
+        return LlamaTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers, kernels=kernels)
+    return HFTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers)

@@ -1,0 +1,131 @@
+"""OGSPO at decode time: the exported policy head under onnxruntime as the engine's stop hook, over
+the structure it was trained for (docs/DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ogspo.artifacts.policy_folder import INPUT_NAME, POLICY_FILE
+from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
+from ogspo.engine.policies import Autoregressive, CycleContext, StaticTree, TreePolicy
+from ogspo.engine.tree import DraftTree, Structure
+from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, RecentAccept, state_features
+
+
+class OnnxPolicy:
+    """The exported head under onnxruntime (session created once), usable as the engine's stop hook:
+    `hook(tree, level, ctx)`. The context length comes from the engine's `CycleContext`, and
+    `recent_accept` is tracked from it cycle by cycle (`RecentAccept`)."""
+
+    def __init__(self, path: Path, *, device: str = "cpu"):
+        import onnxruntime as ort
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / POLICY_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"policy file {path} does not exist")
+        providers = ["CPUExecutionProvider"]
+        if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises several error types for bad files
+            raise ValueError(f"policy file {path} is not a readable ONNX model ({exc.__class__.__name__})") from None
+        self.path = path
+        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
+        if "ogspo_features_version" not in self.metadata:
+            raise ValueError(f"policy file {path} has no ogspo metadata (not written by export_policy)")
+        version = int(self.metadata["ogspo_features_version"])
+        names = tuple(json.loads(self.metadata["ogspo_feature_names"]))
+        if version != FEATURES_VERSION or names != FEATURE_NAMES:
+            raise ValueError(
+                f"policy file {path} uses features version {version} ({len(names)} features); this ogspo computes "
+                f"version {FEATURES_VERSION} ({len(FEATURE_NAMES)} features): retrain the policy"
+            )
+        inputs = self.session.get_inputs()
+        if [i.name for i in inputs] != [INPUT_NAME] or inputs[0].shape[-1] != len(FEATURE_NAMES):
+            raise ValueError(f"policy file {path} does not take one input '{INPUT_NAME}' [batch, {len(FEATURE_NAMES)}]")
+        paths = json.loads(self.metadata.get("ogspo_structure", "[]"))
+        self.structure = Structure(paths) if paths else None
+        self.lam = float(self.metadata["ogspo_lambda"]) if self.metadata.get("ogspo_lambda") else None
+        self.providers = self.session.get_providers()
+        self.recent = RecentAccept()
+        self.calls = 0
+        self.stops = 0
+
+    def reset(self) -> None:
+        self.recent.reset()
+
+    def advantage(self, features: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(np.asarray(features, dtype=np.float32).reshape(-1, len(FEATURE_NAMES)))  # [B, F]
+        return self.session.run(None, {INPUT_NAME: x})[0]  # [B]
+
+    def decide(self, features: np.ndarray) -> bool:
+        """True = stop now (predicted advantage of continuing <= 0)."""
+        return bool(self.advantage(features)[0] <= 0)
+
+    def features(self, tree: DraftTree, level: int, ctx: CycleContext) -> np.ndarray:
+        """The state features after `level` (the first level of a cycle also updates `recent_accept`). [F]"""
+        if level == 1:
+            self.recent.update(ctx)
+        return state_features(tree, level, context_length=ctx.context_length, recent_accept=self.recent.value)
+
+    def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
+        stop = self.decide(self.features(tree, level, ctx))
+        self.calls += 1
+        self.stops += stop
+        return stop
+
+
+def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None"]:
+    """(structure, ONNX policy) of a policy folder; the two must agree. An empty structure (the
+    oracle chose autoregressive decoding) comes without a policy."""
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"policy folder {path} does not exist")
+    if not (path / STRUCTURE_FILE).is_file():
+        raise FileNotFoundError(f"policy folder {path} has no {STRUCTURE_FILE}")
+    structure = load_structure(path / STRUCTURE_FILE)
+    if len(structure) == 0:  # the oracle chose not to draft: no head was trained
+        return structure, None
+    policy = OnnxPolicy(path / POLICY_FILE, device=device)
+    if policy.structure is not None and policy.structure.paths != structure.paths:
+        raise ValueError(f"policy folder {path}: {STRUCTURE_FILE} differs from the structure the policy was trained for")
+    return structure, policy
+
+
+class OgspoTree(StaticTree):
+    """OGSPO: the learned structure S drafted level by level, with the exported policy head (ONNX) as
+    the stop hook (`self.hook`) evaluated after every level."""
+
+    def __init__(self, structure: Structure, hook: OnnxPolicy, name: str = "ogspo"):
+        super().__init__(structure, name=name)
+        self.hook = hook
+
+    def begin(self, prompt: list[int]) -> None:
+        self.hook.reset()
+
+
+def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu",
+               name: str = "ogspo") -> TreePolicy:
+    """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
+    folder's structure.json (it must equal the structure the policy was trained for)."""
+    if policy_path is None:
+        raise ValueError("method 'ogspo' needs a policy folder (--policy DIR with policy.onnx and structure.json)")
+
+    S, hook = load_policy_dir(Path(policy_path), device=device)
+    if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
+        return Autoregressive(name=name)
+    if structure is not None:
+        given = load_structure(structure)
+        if given.paths != S.paths:
+            raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
+    return OgspoTree(S, hook, name=name)

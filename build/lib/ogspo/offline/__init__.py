@@ -1,0 +1,1 @@
+"""Offline solvers on records and latency models: numpy, polars and SCIP (pyscipopt), no torch."""

@@ -1,0 +1,614 @@
+"""Stages `tune_eagle` and `evaluate`: every decoding method side by side on held-out prompts.
+
+`evaluate_methods` runs, per temperature, workload, eval prompt and repeat, every configured method
+in a rotated order (so machine drift cancels in paired ratios), all on one target and one drafter.
+Per request: complete-request throughput (prefill included), tau, the time split (prefill / draft /
+policy / verify / other; the stop hook's time, timed by a wrapper, is taken out of "other", where
+the engine books it; the routing baseline's pre-drafting decision stays in "other") and the latency
+model's prediction for the very cycles that ran. At T=0 every method's tokens must equal the autoregressive output: a real mismatch raises `LosslessError`
+naming method, workload and prompt; a float near-tie (`compare_greedy`) is reported, not failed.
+
+`tune_eagle` is the fair EAGLE-3 baseline: a grid of (total_tokens, depth, top_k) decoded for real
+on `train` prompts, per workload, at one temperature; the winner (median throughput) is the
+`eagle-tuned` method of `evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from ogspo.artifacts.io import atomic_write, write_json
+from ogspo.artifacts.oracle import read_oracle
+from ogspo.artifacts.records import request_seed
+from ogspo.artifacts.structure import load_structure
+from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
+from ogspo.engine.lossless import compare_greedy
+from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
+from ogspo.engine.tree import DraftTree
+from ogspo.methods.registry import EVAL_METHODS, REFERENCE, TUNED, make_policy
+
+
+class LosslessError(ValueError):
+    """A method's T=0 output differs from autoregressive decoding (not a float near-tie)."""
+
+
+def temperature_tag(temperature: float) -> str:
+    """0 -> T0, 1.0 -> T1, 0.7 -> T0.7 (as the records, solve and policy folders are named)."""
+    return f"T{float(temperature):g}"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # the method's label in every output row
+    kind: str  # one of EVAL_METHODS
+    k: int = 0  # chain length (kind chain)
+    tree: tuple[int, int, int] = (0, 0, 0)  # total_tokens, depth, top_k (kind eagle-default)
+
+
+def method_specs(*, methods: list[str], chains: list[int], eagle_default: list[int]) -> list[MethodSpec]:
+    """The evaluated methods in config order; the autoregressive target is required (reference)."""
+    unknown = [m for m in methods if m not in EVAL_METHODS]
+    if unknown:
+        raise ValueError(f"evaluate.methods: unknown method '{unknown[0]}'; allowed: {', '.join(EVAL_METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"evaluate.methods lists a method twice: {methods}")
+    if REFERENCE not in methods:
+        raise ValueError("evaluate.methods must include 'ar' (the reference of speedups and of the lossless check)")
+    if "chain" in methods and not chains:
+        raise ValueError("evaluate.methods has 'chain' but evaluate.chains is empty; give chain lengths, e.g. [4]")
+    specs = []
+    for m in methods:
+        if m == "chain":
+            specs += [MethodSpec(name=f"chain{k}", kind="chain", k=int(k)) for k in chains]
+        elif m == "eagle-default":
+            specs.append(MethodSpec(name=m, kind=m, tree=tuple(int(x) for x in eagle_default)))
+        else:
+            specs.append(MethodSpec(name=m, kind=m))
+    return specs
+
+
+def rotated_order(n: int, index: int) -> list[int]:
+    """Method order of the index-th request slot: 0..n-1 rotated left by index (each method runs
+    first, second, ... equally often over n consecutive slots)."""
+    s = index % n if n else 0
+    return list(range(s, n)) + list(range(s))
+
+
+def slot_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
+    """One seed per request slot (workload, prompt, repeat), shared by all methods (common random
+    numbers): the records' `request_seed` of the slot's id."""
+    return request_seed(seed, f"{workload}/{prompt_id}/{repeat}")
+
+
+# ---------------------------------------------------------------- method artifacts
+
+
+def _structure_or_ar(path: Path, name: str) -> TreePolicy:
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"method '{name}': structure file {path} does not exist")
+    structure = load_structure(path)
+    if len(structure) == 0:  # the solver found drafting not worth it: decode autoregressively
+        return Autoregressive(name=name)
+    return StaticTree(structure, name=name)
+
+
+def read_tuned(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Winners of a tune_eagle JSON: workload -> (total_tokens, depth, top_k)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"method 'eagle-tuned': tuning file {path} does not exist (rule tune_eagle)")
+    data = json.loads(path.read_text())
+    winners = data.get("winners") if isinstance(data, dict) else None
+    if not isinstance(winners, dict):
+        raise ValueError(f"{path}: not a tune_eagle output (no 'winners' object)")
+    return {w: tuple(int(x) for x in v) for w, v in winners.items()}
+
+
+def build_policy(
+    spec: MethodSpec, *, temperature: float, workload: str, artifacts: Mapping[str, str], policy_device: str = "cpu"
+) -> TreePolicy:
+    """The tree policy of one method at one temperature and workload; artifact paths are templates
+    with `{T}` (temperature tag)."""
+
+    if spec.kind == "ar":
+        return Autoregressive()
+    if spec.kind == "chain":
+        return chain(spec.k)
+    if spec.kind == "eagle-default":
+        total, depth, top_k = spec.tree
+        return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
+    if spec.kind not in artifacts:
+        raise ValueError(f"method '{spec.name}' needs its artifact path (--artifact {spec.kind}=PATH with {{T}})")
+    path = Path(artifacts[spec.kind].format(T=temperature_tag(temperature)))
+    if spec.kind == "eagle-tuned":
+        winners = read_tuned(path)
+        if workload not in winners:
+            raise ValueError(f"{path} has no tuned EAGLE-3 tree for workload '{workload}' (has {', '.join(sorted(winners))})")
+        total, depth, top_k = winners[workload]
+        return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
+    if spec.kind in ("sequoia", "ogspo-structure"):
+        return _structure_or_ar(path, spec.name)
+    if spec.kind in ("ogspo", "ogspo-policy"):
+        return make_policy("ogspo", policy_path=path, policy_device=policy_device, name=spec.name)
+    if spec.kind == "routing":
+        return make_policy("routing", router_path=path, name=spec.name)
+    raise ValueError(f"unknown method kind '{spec.kind}'")  # pragma: no cover - method_specs validates kinds
+
+
+# ---------------------------------------------------------------- one request
+
+
+class TimedHook:
+    """A stop hook wrapper that adds up the seconds spent deciding."""
+
+    def __init__(self, hook: StopHook):
+        self.hook = hook
+        self.seconds = 0.0
+
+    def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return self.hook(tree, level, ctx)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class CycleLog:
+    """Engine `cycle_observer`: per cycle (frontier widths per drafted level, verified nodes with the
+    root, committed context length) — what the latency model needs to predict the cycle's time."""
+
+    def __init__(self):
+        self.cycles: list[tuple[list[int], int, int]] = []
+
+    def __call__(self, trace: CycleTrace) -> None:
+        d = trace.drafted
+        widths = [int(np.unique(d.parents[d.depths == lvl]).size) for lvl in range(1, int(d.depths.max()) + 1)]
+        self.cycles.append((widths, int(len(trace.verified)), int(trace.context_length)))
+
+
+def predicted_seconds(cycles: list[tuple[list[int], int, int]], latency) -> float:
+    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed (docs/DESIGN.md §4)."""
+    return float(sum(float(latency.t_cycle(w, n, L)) for w, n, L in cycles))
+
+
+@dataclass
+class MethodEngine:
+    spec: MethodSpec
+    engine: SpeculativeEngine
+    log: CycleLog
+    hook: TimedHook | None
+
+
+def make_method_engine(spec: MethodSpec, policy: TreePolicy, *, target, drafter, temperature: float,
+                       eos_token_id: int | None) -> MethodEngine:
+    hook = TimedHook(policy.hook) if policy.hook is not None else None
+    log = CycleLog()
+    engine = SpeculativeEngine(
+        target=target, policy=policy, drafter=None if policy.max_nodes == 1 else drafter, temperature=temperature,
+        eos_token_id=eos_token_id, stop_hook=hook, cycle_observer=log,
+    )
+    return MethodEngine(spec=spec, engine=engine, log=log, hook=hook)
+
+
+@dataclass
+class RequestRow:
+    workload: str
+    temperature: float
+    method: str
+    prompt_id: str
+    repeat: int
+    order: int  # position of the method in this request slot's rotation
+    seed: int
+    prompt_tokens: int
+    new_tokens: int
+    cycles: int
+    tau: float
+    mean_tree_size: float  # verified drafted nodes per cycle (root excluded)
+    wall_seconds: float
+    throughput: float  # complete-request tokens / s, prefill included
+    prefill_seconds: float
+    draft_seconds: float
+    policy_seconds: float
+    verify_seconds: float
+    other_seconds: float
+    predicted_seconds: float  # measured prefill + the latency model's time of the cycles that ran
+    predicted_throughput: float
+    lossless: str  # identical | near-tie | n/a (T>0, or the reference itself)
+    first_mismatch: int  # -1 when identical / n/a
+    tie_margin: float  # reference top-2 logit margin at a near-tie (nan otherwise)
+    tokens: list[int] = field(default_factory=list)
+
+
+def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency) -> tuple[GenerationResult, dict]:
+    """Decode one request with one method; returns the result and its timing/prediction figures."""
+    me.log.cycles.clear()
+    if me.hook is not None:
+        me.hook.seconds = 0.0
+    res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
+    split = res.time_split()
+    policy_s = me.hook.seconds if me.hook is not None else 0.0
+    pred = float("nan")
+    if latency is not None:
+        pred = split["prefill"] + predicted_seconds(me.log.cycles, latency)
+    figures = {
+        "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
+        "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
+        "predicted_seconds": pred,
+        "predicted_throughput": len(res.tokens) / pred if pred > 0 else float("nan"),
+    }
+    return res, figures
+
+
+# ---------------------------------------------------------------- evaluate
+
+
+@dataclass
+class NearTie:
+    method: str
+    workload: str
+    prompt_id: str
+    repeat: int
+    token: int
+    margin: float
+
+
+@dataclass
+class EvaluateResult:
+    rows: list[RequestRow]
+    summary: list[dict]
+    checked: int  # T=0 requests compared with the autoregressive output
+    near_ties: list[NearTie]
+    oracle: dict[str, float]  # temperature tag -> oracle throughput (surrogate), where given
+    tuned: dict[str, dict[str, list[int]]]  # temperature tag -> workload -> eagle-tuned tree
+    settings: dict
+    seconds: float
+
+    def frame(self) -> pl.DataFrame:
+        return requests_frame(self.rows)
+
+
+def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
+    data = [asdict(r) for r in rows]
+    schema = {"tokens": pl.List(pl.Int64), "temperature": pl.Float64, "tie_margin": pl.Float64,
+              "predicted_seconds": pl.Float64, "predicted_throughput": pl.Float64}
+    if not data:
+        return pl.DataFrame(schema=schema)
+    return pl.DataFrame(data, schema_overrides=schema)
+
+
+def _reference_caller(hf_model):
+    """compare_greedy calls model(ids); move ids to the model's device first."""
+    import torch
+
+    device = next(hf_model.parameters()).device
+
+    def call(ids: torch.Tensor):
+        return hf_model(ids.to(device))
+
+    return call
+
+
+def evaluate_methods(
+    *,
+    target,
+    drafter,
+    prompts: Mapping[str, list[tuple[str, list[int]]]],
+    methods: list[MethodSpec],
+    temperatures: list[float],
+    max_new_tokens: int,
+    repeats: int,
+    seed: int,
+    artifacts: Mapping[str, str] | None = None,
+    latency=None,
+    oracle: Mapping[str, float] | None = None,
+    reference_model=None,
+    eos_token_id: int | None = None,
+    policy_device: str = "cpu",
+    tie_margin: float = 1e-4,
+    progress: Callable[[str], None] | None = None,
+) -> EvaluateResult:
+    """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
+    by request in rotated order. `reference_model` (an HF causal LM, default `target.hf_model`) tells
+    near-ties from real mismatches at T=0; a real mismatch raises `LosslessError` at once."""
+    if repeats < 1 or max_new_tokens < 1:
+        raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats} and {max_new_tokens}")
+    if REFERENCE not in {m.kind for m in methods}:
+        raise ValueError("the evaluated methods must include 'ar' (the reference)")
+    artifacts = dict(artifacts or {})
+    ref_model = reference_model if reference_model is not None else getattr(target, "hf_model", None)
+    t_start = time.perf_counter()
+    rows: list[RequestRow] = []
+    near: list[NearTie] = []
+    checked = 0
+    slot = 0
+    tuned: dict[str, dict[str, list[int]]] = {}
+    ref_name = next(m.name for m in methods if m.kind == REFERENCE)
+    for temp in temperatures:
+        tag = temperature_tag(temp)
+        for workload, plist in prompts.items():
+            engines = []
+            for spec in methods:
+                pol = build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
+                if spec.kind == TUNED:
+                    tuned.setdefault(tag, {})[workload] = [pol.total_tokens, pol.max_depth, pol.top_k]
+                engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp,
+                                                  eos_token_id=eos_token_id))
+            for repeat in range(repeats):
+                for prompt_id, prompt in plist:
+                    rseed = slot_seed(seed, workload, prompt_id, repeat)
+                    out: dict[str, RequestRow] = {}
+                    for pos, j in enumerate(rotated_order(len(engines), slot)):
+                        me = engines[j]
+                        res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency)
+                        out[me.spec.name] = RequestRow(
+                            workload=workload, temperature=float(temp), method=me.spec.name, prompt_id=str(prompt_id),
+                            repeat=repeat, order=pos, seed=rseed, prompt_tokens=len(prompt), new_tokens=len(res.tokens),
+                            cycles=len(res.cycles), tau=res.tau,
+                            mean_tree_size=float(np.mean([c.tree_size for c in res.cycles])) if res.cycles else 0.0,
+                            wall_seconds=res.wall_seconds, throughput=res.throughput, **fig,
+                            lossless="n/a", first_mismatch=-1, tie_margin=float("nan"), tokens=list(res.tokens),
+                        )
+                    slot += 1
+                    if float(temp) == 0.0:
+                        checked += _check_lossless(out, ref_name, prompt, workload=workload, prompt_id=str(prompt_id),
+                                                   repeat=repeat, ref_model=ref_model, tie_margin=tie_margin, near=near)
+                    rows.extend(out[m.name] for m in methods)
+                    if progress:
+                        progress(f"{tag} {workload} {prompt_id} r{repeat}: " + ", ".join(
+                            f"{m.name} {out[m.name].throughput:.1f}" for m in methods))
+    frame = requests_frame(rows)
+    oracle = {k: float(v) for k, v in (oracle or {}).items()}
+    return EvaluateResult(
+        rows=rows, summary=summarize_requests(frame, oracle=oracle), checked=checked, near_ties=near, oracle=oracle,
+        tuned=tuned, seconds=time.perf_counter() - t_start,
+        settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
+                  "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed,
+                  "prompts": {w: [p for p, _ in v] for w, v in prompts.items()}},
+    )
+
+
+def _check_lossless(out: dict[str, RequestRow], ref_name: str, prompt: list[int], *, workload: str, prompt_id: str,
+                    repeat: int, ref_model, tie_margin: float, near: list[NearTie]) -> int:
+    """T=0: every method's tokens against the autoregressive ones; returns the number compared."""
+    ref = out[ref_name].tokens
+    n = 0
+    for name, row in out.items():
+        if name == ref_name:
+            continue
+        n += 1
+        if row.tokens == ref:
+            row.lossless = "identical"
+            continue
+        if ref_model is None:
+            raise LosslessError(f"lossless check failed: method '{name}' differs from autoregressive decoding on "
+                                f"{workload} prompt {prompt_id} (repeat {repeat}) and no reference model is given")
+        rep = compare_greedy(_reference_caller(ref_model), prompt, ref, row.tokens, tie_margin=tie_margin)
+        if rep.equal:  # cannot happen (tokens differ); kept explicit
+            row.lossless = "identical"
+        elif rep.near_tie:
+            row.lossless, row.first_mismatch, row.tie_margin = "near-tie", int(rep.first_mismatch), float(rep.margin)
+            near.append(NearTie(method=name, workload=workload, prompt_id=prompt_id, repeat=repeat,
+                                token=int(rep.first_mismatch), margin=float(rep.margin)))
+        else:
+            raise LosslessError(
+                f"lossless check failed: method '{name}' on {workload} prompt {prompt_id} (T=0, repeat {repeat}): "
+                f"{rep.describe()} against autoregressive decoding"
+            )
+    out[ref_name].lossless = "n/a"
+    return n
+
+
+# ---------------------------------------------------------------- aggregates
+
+
+def _q(x: np.ndarray, q: float) -> float:
+    return float(np.quantile(x, q)) if len(x) else float("nan")
+
+
+def _paired_ratio(df: pl.DataFrame, method: str, baseline: str) -> np.ndarray:
+    keys = ["workload", "temperature", "prompt_id", "repeat"]
+    a = df.filter(pl.col("method") == method).select(keys + ["throughput"])
+    b = df.filter(pl.col("method") == baseline).select(keys + [pl.col("throughput").alias("base")])
+    j = a.join(b, on=keys, how="inner").filter(pl.col("base") > 0)
+    return (j["throughput"] / j["base"]).to_numpy()
+
+
+def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None = None,
+                       reference: str = REFERENCE, baseline: str = TUNED) -> list[dict]:
+    """One row per method x workload x temperature: medians and spreads (IQR and min/max) of
+    throughput, tau, paired speedup over `reference` and ratio to `baseline` (medians of per-request
+    ratios), surrogate-predicted throughput, oracle bound and time split (shares of wall time)."""
+    oracle = oracle or {}
+    out = []
+    if df.height == 0:
+        return out
+    methods = list(dict.fromkeys(df["method"].to_list()))
+    for (workload, temp), g in df.group_by(["workload", "temperature"], maintain_order=True):
+        for m in methods:
+            r = g.filter(pl.col("method") == m)
+            if r.height == 0:
+                continue
+            tps = r["throughput"].to_numpy()
+            wall = float(r["wall_seconds"].sum())
+            split = {k: float(r[f"{k}_seconds"].sum()) / wall if wall > 0 else float("nan")
+                     for k in ("prefill", "draft", "policy", "verify", "other")}
+            cycles = int(r["cycles"].sum())
+            tau = float((r["tau"] * r["cycles"]).sum() / cycles) if cycles else 1.0
+            speed = _paired_ratio(g, m, reference) if reference in g["method"] else np.array([])
+            vs_tuned = _paired_ratio(g, m, baseline) if baseline in g["method"] else np.array([])
+            pred = r["predicted_throughput"].to_numpy()
+            pred = pred[np.isfinite(pred)]
+            ratio = (r["predicted_throughput"] / r["throughput"]).to_numpy()
+            ratio = ratio[np.isfinite(ratio)]
+            out.append({
+                "method": m, "workload": workload, "temperature": float(temp), "n_requests": r.height,
+                "throughput": float(np.median(tps)), "throughput_q25": _q(tps, 0.25), "throughput_q75": _q(tps, 0.75),
+                "throughput_min": float(tps.min()), "throughput_max": float(tps.max()),
+                "tau": tau, "mean_tree_size": float(r["mean_tree_size"].mean()),
+                "speedup": float(np.median(speed)) if len(speed) else None,
+                "speedup_q25": _q(speed, 0.25) if len(speed) else None, "speedup_q75": _q(speed, 0.75) if len(speed) else None,
+                "vs_eagle_tuned": float(np.median(vs_tuned)) if len(vs_tuned) else None,
+                "predicted_throughput": float(np.median(pred)) if len(pred) else None,
+                "predicted_over_realised": float(np.median(ratio)) if len(ratio) else None,
+                "oracle_throughput": oracle.get(temperature_tag(temp)),
+                "time_split": split,
+                "identical": int((r["lossless"] == "identical").sum()),
+                "near_ties": int((r["lossless"] == "near-tie").sum()),
+            })
+    return out
+
+
+# ---------------------------------------------------------------- tune_eagle
+
+
+@dataclass
+class TunePoint:
+    workload: str
+    total_tokens: int
+    depth: int
+    top_k: int
+    throughput: float  # median complete-request tokens/s over the tuning prompts
+    throughput_q25: float
+    throughput_q75: float
+    tau: float
+    n_requests: int
+
+
+@dataclass
+class TuneResult:
+    temperature: float
+    points: list[TunePoint]
+    winners: dict[str, list[int]]  # workload -> [total_tokens, depth, top_k]
+    max_new_tokens: int
+    prompts: dict[str, list[str]]
+    seconds: float
+
+
+def tune_eagle(
+    *,
+    target,
+    drafter,
+    prompts: Mapping[str, list[tuple[str, list[int]]]],
+    grid: list[list[int]],
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    eos_token_id: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> TuneResult:
+    """Grid search of EAGLE-3 dynamic trees by real decoding (interleaved, rotated per prompt); per
+    workload the tree with the highest median throughput wins."""
+    if not grid:
+        raise ValueError("evaluate.eagle_grid is empty: give [total_tokens, depth, top_k] triples")
+    for g in grid:
+        if len(g) != 3 or min(g) < 1:
+            raise ValueError(f"evaluate.eagle_grid entry {g} is not [total_tokens, depth, top_k] with positive values")
+    t_start = time.perf_counter()
+    trees = [tuple(int(x) for x in g) for g in grid]
+    engines = [make_method_engine(MethodSpec(name=f"eagle{a}-{b}-{c}", kind="eagle-default", tree=(a, b, c)),
+                                  DynamicTree(total_tokens=a, depth=b, top_k=c), target=target, drafter=drafter,
+                                  temperature=temperature, eos_token_id=eos_token_id) for a, b, c in trees]
+    points: list[TunePoint] = []
+    winners: dict[str, list[int]] = {}
+    slot = 0
+    for workload, plist in prompts.items():
+        tps: list[list[float]] = [[] for _ in trees]
+        taus: list[list[tuple[float, int]]] = [[] for _ in trees]
+        for prompt_id, prompt in plist:
+            rseed = slot_seed(seed, workload, prompt_id, 0)
+            for j in rotated_order(len(engines), slot):
+                res, _ = run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
+                tps[j].append(res.throughput)
+                taus[j].append((res.tau, len(res.cycles)))
+            slot += 1
+        best = None
+        for (a, b, c), t, tu in zip(trees, tps, taus):
+            x = np.asarray(t)
+            cyc = sum(n for _, n in tu)
+            p = TunePoint(workload=workload, total_tokens=a, depth=b, top_k=c, throughput=float(np.median(x)),
+                          throughput_q25=_q(x, 0.25), throughput_q75=_q(x, 0.75),
+                          tau=float(sum(v * n for v, n in tu) / cyc) if cyc else 1.0, n_requests=len(x))
+            points.append(p)
+            if best is None or p.throughput > best.throughput:
+                best = p
+        winners[workload] = [best.total_tokens, best.depth, best.top_k]
+        if progress:
+            progress(f"{workload}: best eagle{best.total_tokens}-{best.depth}-{best.top_k} {best.throughput:.1f} tok/s")
+    return TuneResult(temperature=float(temperature), points=points, winners=winners, max_new_tokens=max_new_tokens,
+                      prompts={w: [p for p, _ in v] for w, v in prompts.items()}, seconds=time.perf_counter() - t_start)
+
+
+# ---------------------------------------------------------------- inputs and outputs
+
+
+def load_prompts(workload_files: list[Path], tokenizer, *, split: str, n: int) -> dict[str, list[tuple[str, list[int]]]]:
+    """The first `n` prompts (by prompt_id) of `split` of each workload file, tokenised as the
+    records and drafter stages do; the workload name is the file's `workload` column."""
+    if n < 1:
+        raise ValueError(f"prompts per workload must be >= 1, got {n}")
+    out: dict[str, list[tuple[str, list[int]]]] = {}
+    for path in workload_files:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"workload file {path} does not exist")
+        df = pl.read_parquet(path)
+        if not {"workload", "prompt_id", "split", "prompt"} <= set(df.columns):
+            raise ValueError(f"{path} is not a workload table (needs workload, prompt_id, split, prompt columns)")
+        df = df.filter(pl.col("split") == split).sort("prompt_id").head(n)
+        if df.height == 0:
+            raise ValueError(f"{path} has no '{split}' prompts")
+        name = df["workload"][0]
+        out[name] = [(str(pid), tokenizer(p, add_special_tokens=False).input_ids)
+                     for pid, p in zip(df["prompt_id"].to_list(), df["prompt"].to_list())]
+    if not out:
+        raise ValueError("no workload files given")
+    return out
+
+
+def oracle_throughputs(paths: Mapping[str, Path]) -> dict[str, float]:
+    """Temperature tag -> the oracle's throughput (results/{device}/solve/oracle_T*.json)."""
+    out = {}
+    for tag, path in paths.items():
+        _, throughput = read_oracle(path)
+        if throughput is None:
+            raise ValueError(f"{path}: not an oracle JSON (no 'throughput')")
+        out[tag] = throughput
+    return out
+
+
+def write_evaluation(result: EvaluateResult, *, requests_path: Path, summary_path: Path) -> None:
+    """requests.parquet (one row per request) and summary.json. Evaluation stops at the first real
+    lossless mismatch, so a written evaluation has none; its near-ties are listed."""
+    frame = result.frame()
+    atomic_write(requests_path, frame.write_parquet)
+    write_json(summary_path, {
+        "rows": result.summary,
+        "lossless": {"checked": result.checked, "mismatches": 0,
+                     "near_ties": [asdict(t) for t in result.near_ties]},
+        "oracle": result.oracle, "eagle_tuned": result.tuned, "settings": result.settings, "seconds": result.seconds,
+    })
+
+
+def write_tuning(result: TuneResult, path: Path) -> None:
+    write_json(path, {"temperature": result.temperature, "winners": result.winners,
+                      "grid": [asdict(p) for p in result.points], "max_new_tokens": result.max_new_tokens,
+                      "prompts": result.prompts, "seconds": result.seconds})
+
+
+def render_summary(rows: list[dict]) -> str:
+    lines = ["| T | workload | method | tok/s (median) | IQR | tau | speedup vs ar | predicted tok/s |",
+             "|---:|---|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        pr = f"{r['predicted_throughput']:.1f}" if r["predicted_throughput"] is not None else "-"
+        lines.append(f"| {r['temperature']:g} | {r['workload']} | {r['method']} | {r['throughput']:.1f} | "
+                     f"{r['throughput_q25']:.1f}-{r['throughput_q75']:.1f} | {r['tau']:.2f} | {sp} | {pr} |")
+    return "\n".join(lines)

@@ -1,0 +1,34 @@
+"""Stage `export_policy`: the final head of an OGSPO rounds folder as a policy folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
+from ogspo.engine.tree import Structure
+from ogspo.learn.export import ExportResult, write_policy_folder
+from ogspo.learn.policy import HEAD_FILE, load_head
+
+
+@dataclass
+class ExportStageResult:
+    out_dir: Path
+    structure: Structure
+    export: ExportResult | None  # None when the structure is empty (autoregressive)
+
+
+def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
+    """Stage `export_policy`: the final head of an OGSPO rounds folder (policy.pt + structure.json) as a
+    policy folder that `load_policy_dir` / the `ogspo` method read."""
+
+    rounds_dir = Path(rounds_dir)
+    if not (rounds_dir / STRUCTURE_FILE).is_file():
+        raise FileNotFoundError(f"rounds folder {rounds_dir} has no {STRUCTURE_FILE}")
+    structure = load_structure(rounds_dir / STRUCTURE_FILE)
+    head, meta = (None, {}) if len(structure) == 0 else load_head(rounds_dir / HEAD_FILE)
+    if head is not None and meta["structure"] != structure.to_list():
+        raise ValueError(f"rounds folder {rounds_dir}: {STRUCTURE_FILE} differs from the structure of {HEAD_FILE}")
+    info = {"source": str(rounds_dir), **{k: meta[k] for k in ("round", "seed") if k in meta}}
+    exp = write_policy_folder(head=head, structure=structure, lam=meta.get("lambda"), out_dir=out_dir, info=info)
+    return ExportStageResult(out_dir=Path(out_dir), structure=structure, export=exp)

@@ -1,0 +1,162 @@
+"""Stage `measure_drafter`: acceptance of the trained head on held-out `eval` prompts.
+
+Per workload and temperature, side by side and interleaved prompt by prompt: the autoregressive
+target, a chain (top-1 acceptance per depth) and EAGLE-3 dynamic trees of several sizes (tau,
+bonus included, and complete-request throughput)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+from tqdm.auto import tqdm
+
+from ogspo.artifacts.io import write_text
+from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.policies import Autoregressive, DynamicTree, chain
+from ogspo.engine.target import synchronize
+from ogspo.engine.tree import DraftTree
+from ogspo.methods.registry import make_drafter, make_target
+from ogspo.stages.model import load_target, model_checksum
+
+
+@dataclass
+class MethodFigures:
+    workload: str
+    temperature: float
+    method: str
+    tau: float  # mean committed tokens per cycle, bonus included
+    throughput: float  # median complete-request tokens/s over prompts
+    speedup: float  # median per-prompt throughput ratio to the autoregressive target
+    tokens: int
+    accept_by_depth: list[float] = field(default_factory=list)  # chains: P(depth d accepted | d-1 accepted)
+
+
+@dataclass
+class MeasureResult:
+    figures: list[MethodFigures]
+    expand_ms: dict[int, float]  # median ms of one head level over w frontier nodes
+    seconds: float
+    prompts_per_workload: int = 0
+    max_new_tokens: int = 0
+
+    def best_tree(self, workload: str, temperature: float) -> MethodFigures:
+        rows = [f for f in self.figures if f.workload == workload and f.temperature == temperature and f.method.startswith("eagle")]
+        return max(rows, key=lambda f: f.tau)
+
+
+def eval_prompts(workloads_dir: Path, tokenizer, n: int) -> dict[str, list[list[int]]]:
+    out = {}
+    for path in sorted(Path(workloads_dir).glob("*.parquet")):
+        df = pl.read_parquet(path).filter(pl.col("split") == "eval").sort("prompt_id").head(n)
+        out[path.stem] = [tokenizer(p, add_special_tokens=False).input_ids for p in df["prompt"]]
+    if not out:
+        raise ValueError(f"no workloads under {workloads_dir}")
+    return out
+
+
+def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: int = 20) -> dict[int, float]:
+    """Median ms of one drafter level over w frontier nodes, from a real drafting state."""
+    L = len(prompt)
+    dev = target.device
+    target.cache.reset()
+    pre = target.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None)
+    target.cache.commit_prefix(L)
+    out: dict[int, list[float]] = {w: [] for w in widths}
+    for r in range(reps + 2):
+        drafter.begin(prompt, pre)
+        tree = DraftTree.from_root(int(pre.logits[-1].argmax()))
+        exp = drafter.expand(tree, np.array([0]), max(widths))
+        kids = tree.add_children(parents=np.zeros(max(widths), dtype=np.int64), tokens=exp.tokens[0], ranks=np.arange(max(widths)),
+                                 logq=exp.logq[0], entropy=np.repeat(exp.entropy, max(widths)))
+        for w in widths:  # each width expands a fresh set of depth-1 nodes: discard pending rows between
+            drafter.begin(prompt, pre)
+            drafter.expand(DraftTree.from_root(int(tree.tokens[0])), np.array([0]), 1)
+            synchronize(dev)
+            t0 = time.perf_counter()
+            drafter.expand(tree, kids[:w], 4)
+            synchronize(dev)
+            if r >= 2:
+                out[w].append((time.perf_counter() - t0) * 1e3)
+    return {w: float(np.median(v)) for w, v in out.items()}
+
+
+def measure_drafter(
+    *,
+    model_dir: Path,
+    drafter_dir: Path,
+    workloads_dir: Path,
+    prompts_per_workload: int = 8,
+    max_new_tokens: int = 96,
+    temperatures: tuple[float, ...] = (0.0, 1.0),
+    trees: tuple[tuple[int, int, int], ...] = ((60, 5, 10), (16, 4, 4), (24, 5, 4), (32, 6, 6)),
+    chain_depth: int = 6,
+    seed: int = 0,
+    kernels=None,
+    device: str = "cpu",
+) -> MeasureResult:
+    """Acceptance and speed of the trained head on held-out prompts, on `device`."""
+    t_start = time.perf_counter()
+    model, tok = load_target(model_dir, device=device)
+    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=drafter_dir, target_checksum=model_checksum(model_dir))
+    target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
+    prompts = eval_prompts(workloads_dir, tok, prompts_per_workload)
+    policies = [Autoregressive(), chain(chain_depth)] + [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
+    figures = []
+    total = len(temperatures) * sum(len(v) for v in prompts.values())
+    bar = tqdm(total=total, desc="measure drafter", unit="prompt")
+    for temp in temperatures:
+        engines = [SpeculativeEngine(target=target, policy=p, drafter=None if p.max_nodes == 1 else drafter,
+                                     temperature=temp, eos_token_id=tok.eos_token_id) for p in policies]
+        for workload, plist in prompts.items():
+            acc: dict[str, dict] = {p.name: {"tps": [], "cycles": [], "tokens": 0} for p in policies}
+            for i, prompt in enumerate(plist):
+                for p, eng in zip(policies, engines):
+                    res = eng.generate(prompt, max_new_tokens=max_new_tokens, seed=seed + i)
+                    acc[p.name]["tps"].append(res.throughput)
+                    acc[p.name]["cycles"].extend(c.accepted for c in res.cycles)
+                    acc[p.name]["tokens"] += len(res.tokens)
+                bar.update(1)
+            base = np.array(acc["ar"]["tps"])
+            for p in policies:
+                a = acc[p.name]
+                cyc = np.array(a["cycles"]) - 1  # drafted tokens accepted per cycle
+                by_depth = []
+                if p.name.startswith("chain") and len(cyc):
+                    for d in range(1, chain_depth + 1):
+                        reach = (cyc >= d - 1).sum()
+                        by_depth.append(float((cyc >= d).sum() / reach) if reach else 0.0)
+                figures.append(MethodFigures(
+                    workload=workload, temperature=temp, method=p.name,
+                    tau=float(np.mean(a["cycles"])) if a["cycles"] else 1.0,
+                    throughput=float(np.median(a["tps"])),
+                    speedup=float(np.median(np.array(a["tps"]) / base)),
+                    tokens=int(a["tokens"]), accept_by_depth=by_depth,
+                ))
+    bar.close()
+    first = next(iter(prompts.values()))[0]
+    expand_ms = time_expand(drafter, first, target)
+    return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
+                         prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens)
+
+
+def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
+    data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
+            "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens}
+    write_text(out_json, json.dumps(data, indent=1))
+    write_text(out_md, render_markdown(result))
+
+
+def render_markdown(result: MeasureResult) -> str:
+    lines = ["| workload | T | method | tau | tokens/s | speedup vs ar | top-1 acceptance by depth |", "|---|---:|---|---:|---:|---:|---|"]
+    for f in result.figures:
+        depth = ", ".join(f"{a:.2f}" for a in f.accept_by_depth)
+        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.tau:.2f} | {f.throughput:.1f} | {f.speedup:.2f}x | {depth} |")
+    lines += ["", "One head level over w frontier nodes (median ms): "
+              + ", ".join(f"w={w}: {ms:.1f}" for w, ms in result.expand_ms.items()), ""]
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""Stage `prepare_model`: turn a model source (GGUF or Hugging Face) into a plain safetensors folder.
+
+The prepared folder holds ``model.safetensors`` (or shards), ``config.json``, the tokenizer files and
+``ogspo_model.json`` (checksum, source, load time). It loads in a few seconds, unlike the GGUF file
+(dequantised on every load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ogspo.artifacts.prompts import find_package_dir
+
+MANIFEST = "ogspo_model.json"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path
+    checksum: str  # sha256 over the safetensors weight file(s), in name order
+    load_seconds: float  # time to load the source (GGUF dequantisation included)
+    source: str  # human-readable description of the source
+
+
+def describe_source(source: Mapping) -> str:
+    if "gguf_package" in source:
+        return f"gguf_package:{source['gguf_package']}/{source['gguf_file']}"
+    if "gguf_path" in source:
+        return f"gguf_path:{source['gguf_path']}"
+    if "path" in source:
+        return f"path:{source['path']}"
+    if "hub_id" in source:
+        rev = source.get("revision")
+        return f"hub_id:{source['hub_id']}" + (f"@{rev}" if rev else "")
+    raise ValueError(f"model source has none of gguf_package, gguf_path, path, hub_id: {dict(source)}")
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def _resolve_gguf(source: Mapping) -> tuple[Path, str] | None:
+    """(folder, file name) of a GGUF source, or None for Hugging Face sources."""
+    if "gguf_package" in source:
+        pkg_dir = find_package_dir(source["gguf_package"])
+        if pkg_dir is None:
+            raise FileNotFoundError(f"package {source['gguf_package']} is not installed")
+        gguf = pkg_dir / source["gguf_file"]
+    elif "gguf_path" in source:
+        gguf = Path(source["gguf_path"])
+    else:
+        return None
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+    return gguf.parent, gguf.name
+
+
+def weights_checksum(folder: Path) -> str:
+    """Streaming sha256 over the folder's *.safetensors files (sorted by name)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors file in {folder}")
+    digest = hashlib.sha256()
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", leave=False, disable=None) as bar:
+        for f in files:
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> PreparedModel:
+    """Load the model source and save it as a safetensors folder at ``out_dir`` (atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    torch_dtype = _torch_dtype(dtype)
+    desc = describe_source(source)
+    gguf = _resolve_gguf(source)
+    if gguf is not None:
+        folder, fname = gguf
+        load_kwargs = {"gguf_file": fname}
+        name_or_path = str(folder)
+    elif "path" in source:
+        name_or_path = source["path"]
+        if not Path(name_or_path).is_dir():
+            raise FileNotFoundError(f"model folder {name_or_path} does not exist")
+        load_kwargs = {}
+    else:
+        name_or_path = source["hub_id"]
+        load_kwargs = {"revision": source["revision"]} if source.get("revision") else {}
+
+    with tqdm(total=2, desc=f"load {desc}", leave=False, disable=None) as bar:
+        t0 = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **load_kwargs)
+        bar.update(1)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **load_kwargs)
+        load_seconds = time.perf_counter() - t0
+        bar.update(1)
+
+    # GGUF weights come back dequantised, but the model still carries the quantizer, and
+    # save_pretrained refuses to save a "quantized" model: drop both.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        with tqdm(total=1, desc="save safetensors", leave=False, disable=None) as bar:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            bar.update(1)
+        checksum = weights_checksum(tmp)
+        manifest = {
+            "checksum_sha256": checksum,
+            "source": desc,
+            "source_config": dict(source),
+            "dtype": dtype,
+            "source_load_seconds": round(load_seconds, 3),
+            "torch": torch.__version__,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes 0700 folders; some writers make 0600 files
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PreparedModel(path=out_dir, checksum=checksum, load_seconds=load_seconds, source=desc)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first and removed after."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> dict:
+    """The ``ogspo_model.json`` of a prepared folder."""
+    f = Path(path) / MANIFEST
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} is not a prepared model folder (no {MANIFEST})")
+    return json.loads(f.read_text())
+
+
+def check_model_dir(path: Path) -> Path:
+    """Raise one clear line unless ``path`` is a folder with a Hugging Face model config."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
+    return path
+
+
+def model_checksum(path: Path) -> str:
+    """The weights checksum recorded when the folder was prepared (hashed now if there is no manifest)."""
+    path = check_model_dir(path)
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        return json.loads(manifest.read_text())["checksum_sha256"]
+    return weights_checksum(path)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(check_model_dir(path)))
+
+
+def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
+    """Load a prepared model folder: returns ``(model, tokenizer)``, model in eval mode on ``device``, in
+    ``dtype`` (default: the dtype the folder was prepared in, config key `dtype` of prepare_model)."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_model_dir(path)
+    torch_dtype = _torch_dtype(dtype or read_manifest(path).get("dtype", "float32"))
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+DEFAULT_WEIGHTS_MB = 540  # SmolLM2-135M in fp32: the estimate before a model folder exists
+
+
+def model_memory_mb(path: Path, extra_mb: int) -> int:
+    """Memory (MB) of a job that loads the prepared model in `path`: `extra_mb` plus four copies of its
+    weights (the transformers model, the engine's layouts, headroom). Before the folder exists (a
+    dry run) the default model's size stands in."""
+    weights = Path(path) / "model.safetensors"
+    size = weights.stat().st_size / 2**20 if weights.is_file() else DEFAULT_WEIGHTS_MB
+    return int(extra_mb + 4 * size)
+
+
+def summary(prepared: PreparedModel) -> dict:
+    d = asdict(prepared)
+    d["path"] = str(prepared.path)
+    return d

@@ -1,0 +1,207 @@
+"""Stage `collect_records`: posterior verification records (docs/DESIGN.md §3).
+
+Each cycle drafts the whole superset template T (`StaticTree(T)`), verifies all of T in one target
+pass and commits the accepted path as usual. A *shard* covers `shard_size` consecutive prompts and
+is two parquet files, each carrying the same key-value metadata ``ogspo_records`` (JSON: schema
+version, model checksum, drafter id, template rank paths, temperature, seed, shard index, row
+counts). ``shard-XXXX.nodes.parquet`` is written first, ``shard-XXXX.cycles.parquet`` last (each via
+temp file + rename), so a shard is complete exactly when its cycles file exists and both files
+agree. Collection skips complete shards: an interrupted run loses at most one shard.
+
+Node table (one row per drafted node, root excluded):
+
+| column | type | meaning |
+|---|---|---|
+| request_id | str | workload/prompt id |
+| cycle | i32 | cycle index within the request (1-based, as in `cycle_seed`) |
+| node | i32 | index in the cycle's drafted tree (breadth-first, root = 0) |
+| tnode | i32 | index of the node's rank path in the template (1 + position in `Structure.to_list()`; root 0) |
+| rank_path | str | ranks from depth 1 down, dot-separated (e.g. "0.2.1") |
+| depth | i16 | depth (1 = child of the root) |
+| parent | i32 | parent's `node` (0 = root) |
+| token | i64 | drafted token |
+| logq | f64 | drafter log-prob of the token at its parent |
+| cum_logq | f64 | sum of `logq` from the root down |
+| entropy | f64 | drafter entropy at the parent |
+| target_logp | f64 | target log-prob of the token at its parent's row: log_softmax(logits / T) (T=1 when T=0) |
+| match | bool | T=0: token == target argmax at the parent; T>0: node accepted by rejection sampling |
+
+Cycle table (one row per cycle):
+
+| column | type | meaning |
+|---|---|---|
+| request_id, cycle | | as above |
+| request_seed | u64 | per-request seed (from the global seed and request id) |
+| seed | u64 | the cycle's seed (`cycle_seed(request_seed, cycle)`; fixes its random numbers) |
+| context_length | i32 | committed tokens before the cycle (the root is not among them) |
+| root_token | i64 | the cycle's root (last committed token) |
+| tree_size | i32 | drafted nodes (root excluded; may be < |T| for model-free drafters) |
+| draft_seconds | list[f64] | measured drafter time per level |
+| verify_seconds | f64 | measured target tree forward |
+| cycle_seconds | f64 | whole cycle |
+| accepted_tnodes | list[i32] | accepted path as template node ids (root excluded) |
+| accepted_paths | list[str] | the same as rank paths |
+| accepted_length | i32 | tokens committed (accepted path + bonus) |
+| committed | list[i64] | the committed tokens (accepted drafted tokens then the bonus) |
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import torch
+
+from ogspo.artifacts.records import (
+    CYCLE_SCHEMA,
+    NODE_SCHEMA,
+    SCHEMA_VERSION,
+    path_str,
+    request_seed,
+    shard_complete,
+    shard_paths,
+    template_index,
+    write_shard_table,
+)
+from ogspo.engine.decode import CycleTrace, SpeculativeEngine
+from ogspo.engine.drafters import TreeDrafter
+from ogspo.engine.policies import StaticTree
+from ogspo.engine.target import TreeLM
+from ogspo.engine.tree import Structure, node_rank_paths
+
+
+@dataclass
+class RecordsResult:
+    out_dir: Path
+    shards: list[Path]  # cycles files of every shard
+    computed: list[int]  # shard indices computed by this call (the others were complete already)
+    n_cycles: int  # cycles computed by this call
+    seconds: float
+
+
+def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> dict[str, list]:
+    tree, verdict = trace.drafted, trace.verdict
+    if len(trace.verified) != len(tree):
+        raise ValueError("records need every drafted node verified (a static template policy)")
+    n = len(tree)
+    paths = node_rank_paths(tree.parents, tree.ranks)
+    logits = trace.logits.double()  # [n, V]
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)  # [n, V]
+    par = torch.as_tensor(tree.parents[1:], device=logp.device)  # [n-1]
+    tok = torch.as_tensor(tree.tokens[1:], device=logp.device)  # [n-1]
+    tlogp = logp[par, tok].cpu().numpy()  # [n-1]
+    return {
+        "request_id": [rid] * (n - 1),
+        "cycle": [trace.index] * (n - 1),
+        "node": list(range(1, n)),
+        "tnode": [tidx[p] for p in paths[1:]],
+        "rank_path": [path_str(p) for p in paths[1:]],
+        "depth": tree.depths[1:].tolist(),
+        "parent": tree.parents[1:].tolist(),
+        "token": tree.tokens[1:].tolist(),
+        "logq": tree.logq[1:].tolist(),
+        "cum_logq": tree.cum_logq[1:].tolist(),
+        "entropy": tree.entropy[1:].tolist(),
+        "target_logp": tlogp.tolist(),
+        "match": verdict.matches[1:].tolist(),
+    }
+
+
+def _cycle_row(trace: CycleTrace, rid: str, rseed: int, tidx: dict) -> dict:
+    paths = node_rank_paths(trace.drafted.parents, trace.drafted.ranks)
+    acc = trace.verdict.path[1:]
+    s = trace.stats
+    return {
+        "request_id": rid, "cycle": trace.index, "request_seed": rseed, "seed": s.seed,
+        "context_length": trace.context_length, "root_token": trace.root, "tree_size": s.tree_size,
+        "draft_seconds": list(s.draft_seconds), "verify_seconds": s.verify_seconds, "cycle_seconds": s.cycle_seconds,
+        "accepted_tnodes": [tidx[paths[v]] for v in acc], "accepted_paths": [path_str(paths[v]) for v in acc],
+        "accepted_length": s.accepted, "committed": list(trace.committed),
+    }
+
+
+def collect_records(
+    *,
+    target: TreeLM,
+    drafter: TreeDrafter,
+    template: Structure,
+    prompts: list[list[int]],
+    request_ids: list[str] | None = None,
+    temperature: float,
+    seed: int,
+    max_new_tokens: int,
+    out_dir: Path,
+    shard_size: int,
+    model_checksum: str,
+    drafter_id: str,
+    eos_token_id: int | None = None,
+    progress=None,
+) -> RecordsResult:
+    """Draft and verify all of `template` every cycle over `prompts`; write resumable shards to `out_dir`."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    if request_ids is None:
+        request_ids = [f"p{i}" for i in range(len(prompts))]
+    if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
+        raise ValueError("request_ids must be unique, one per prompt")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    tidx = template_index(template)
+    tlist = template.to_list()
+    base_meta = {
+        "schema_version": SCHEMA_VERSION,
+        "model_checksum": model_checksum,
+        "drafter": drafter_id,
+        "template": tlist,
+        "temperature": float(temperature),
+        "seed": int(seed),
+        "max_new_tokens": int(max_new_tokens),
+        "shard_size": int(shard_size),
+        "n_prompts": len(prompts),
+    }
+    nodes: dict[str, list] = {k: [] for k in NODE_SCHEMA}
+    cycles: dict[str, list] = {k: [] for k in CYCLE_SCHEMA}
+    current = {"rid": "", "rseed": 0}
+
+    def observe(trace: CycleTrace) -> None:
+        for k, v in _node_rows(trace, current["rid"], tidx, temperature).items():
+            nodes[k].extend(v)
+        for k, v in _cycle_row(trace, current["rid"], current["rseed"], tidx).items():
+            cycles[k].append(v)
+
+    engine = SpeculativeEngine(
+        target=target, policy=StaticTree(template, name="records"), drafter=drafter, temperature=temperature,
+        eos_token_id=eos_token_id, cycle_observer=observe,
+    )
+    n_shards = (len(prompts) + shard_size - 1) // shard_size
+    shards, computed, n_cycles = [], [], 0
+    for i in range(n_shards):
+        meta = {**base_meta, "shard": i, "request_ids": request_ids[i * shard_size : (i + 1) * shard_size]}
+        nodes_p, cycles_p = shard_paths(out_dir, i)
+        shards.append(cycles_p)
+        if shard_complete(out_dir, i, meta):
+            continue
+        for v in nodes.values():
+            v.clear()
+        for v in cycles.values():
+            v.clear()
+        for j in range(i * shard_size, min(len(prompts), (i + 1) * shard_size)):
+            current["rid"] = request_ids[j]
+            current["rseed"] = request_seed(seed, request_ids[j])
+            engine.generate(prompts[j], max_new_tokens=max_new_tokens, seed=current["rseed"])
+            if progress is not None:
+                progress(j)
+        ndf = pl.DataFrame(nodes, schema=NODE_SCHEMA)
+        cdf = pl.DataFrame(cycles, schema=CYCLE_SCHEMA)
+        full = {**meta, "n_node_rows": ndf.height, "n_cycle_rows": cdf.height}
+        write_shard_table(ndf, nodes_p, full)
+        write_shard_table(cdf, cycles_p, full)
+        computed.append(i)
+        n_cycles += cdf.height
+    return RecordsResult(out_dir=out_dir, shards=shards, computed=computed, n_cycles=n_cycles, seconds=time.perf_counter() - t_start)
+
+
+# ---------------------------------------------------------------- summary

@@ -1,0 +1,405 @@
+"""Stage `report`: tables, ratios and plots from the evaluation and the stages before it.
+
+`results/{device}/report/` gets `summary.json` (one row per method x workload x temperature,
+recomputed from `evaluate/requests.parquet` with `ogspo.stages.evaluate.summarize_requests`), `report.md`
+and PNG plots (matplotlib Agg): throughput by method and workload, the latency model fit, OGSPO
+rounds (when `rounds/T*/rounds.parquet` exist), acceptance by depth from the records summary and
+the chosen OGSPO structure drawn as a tree. Inputs that are absent leave their plot out; report.md
+says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from ogspo.artifacts.io import json_safe, write_text
+from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
+from ogspo.artifacts.structure import load_structure
+from ogspo.methods.registry import REFERENCE, TUNED
+from ogspo.stages.calibrate import plot_calibration
+from ogspo.stages.evaluate import summarize_requests, temperature_tag
+
+REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
+                   "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",
+                   "tau", "mean_tree_size", "predicted_throughput", "lossless")
+ROUNDS_COLUMNS = ("round", "surrogate_J", "oracle_bound", "same_trace_J", "corrected_J", "accepted", "structure_size")
+OGSPO = "ogspo"
+
+
+@dataclass
+class ReportResult:
+    summary_path: Path
+    markdown_path: Path
+    plots: list[Path]
+    missing: list[str] = field(default_factory=list)  # inputs that were absent, and what was left out
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)  # tag -> workload -> ogspo / eagle-tuned
+
+
+def _read_json(path: Path, what: str) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def read_requests(path: Path) -> pl.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"evaluation requests {path} does not exist")
+    df = pl.read_parquet(path)
+    missing = [c for c in REQUEST_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path} is not an evaluate requests table: missing columns {', '.join(missing)}")
+    return df
+
+
+def read_rounds(path: Path) -> pl.DataFrame:
+    df = pl.read_parquet(path)
+    missing = [c for c in ROUNDS_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path} is not an OGSPO rounds table: missing columns {', '.join(missing)}")
+    return df.sort("round")
+
+
+def ogspo_ratios(rows: list[dict], method: str = OGSPO) -> dict[str, dict[str, float]]:
+    """Temperature tag -> workload -> median paired throughput ratio of `method` to eagle-tuned."""
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r["method"] == method and r.get("vs_eagle_tuned") is not None:
+            out.setdefault(temperature_tag(r["temperature"]), {})[r["workload"]] = float(r["vs_eagle_tuned"])
+    return out
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path, dpi: int = 80) -> Path:
+    plt = _plt()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_throughput(rows: list[dict], path: Path) -> Path:
+    """Median complete-request throughput (IQR bars) by workload, one bar per method, one panel per T."""
+    plt = _plt()
+    temps = sorted({r["temperature"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(temps), figsize=(max(5.0, 1.2 * len(workloads) * len(methods) / 3) * len(temps), 3.8),
+                             squeeze=False)
+    width = 0.8 / max(len(methods), 1)
+    for ax, t in zip(axes[0], temps):
+        for i, m in enumerate(methods):
+            xs, ys, lo, hi = [], [], [], []
+            for j, w in enumerate(workloads):
+                r = next((r for r in rows if r["temperature"] == t and r["workload"] == w and r["method"] == m), None)
+                if r is None:
+                    continue
+                xs.append(j + (i - (len(methods) - 1) / 2) * width)
+                ys.append(r["throughput"])
+                lo.append(r["throughput"] - r["throughput_q25"])
+                hi.append(r["throughput_q75"] - r["throughput"])
+            ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=m, color=f"C{i % 10}")
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_ylabel("tokens/s (median, IQR)")
+        ax.set_title(f"complete-request throughput, T={t:g}", fontsize=9)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def plot_latency(latency_path: Path, path: Path) -> Path:
+    """Re-plot the latency model fit from latency.json (as `calibrate_latency` wrote it)."""
+
+    doc = _read_json(latency_path, "latency file")
+    need = ("model", "validation", "mdape")
+    if any(k not in doc for k in need):
+        raise ValueError(f"latency file {latency_path} lacks keys {', '.join(k for k in need if k not in doc)}")
+    cal = LatencyCalibration(model=LatencyModel.from_json(doc), validation=doc["validation"], mdape=float(doc["mdape"]),
+                             fixed_samples=list(doc.get("fixed_samples", [])), seconds=float(doc.get("seconds", 0.0)))
+    plot_calibration(cal, png_path=path)
+    return path
+
+
+def plot_rounds(rounds: Mapping[str, pl.DataFrame], path: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(rounds), figsize=(5 * len(rounds), 3.6), squeeze=False)
+    for ax, (tag, df) in zip(axes[0], rounds.items()):
+        x = df["round"].to_numpy()
+        for col, style in (("surrogate_J", "o-"), ("oracle_bound", "--"), ("same_trace_J", "s-"), ("corrected_J", "^-")):
+            ax.plot(x, df[col].cast(pl.Float64).to_numpy(), style, ms=4, label=col)
+        acc = df["accepted"].to_numpy().astype(bool)
+        if acc.any():
+            ax.plot(x[acc], df["surrogate_J"].cast(pl.Float64).to_numpy()[acc], "k*", ms=9, label="accepted update")
+        ax.set_xlabel("round")
+        ax.set_ylabel("J (tokens/s)")
+        ax.set_title(f"OGSPO rounds, {tag}", fontsize=9)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_acceptance(records_summary: dict, path: Path) -> Path:
+    """Per records folder: share of cycles whose accepted path reaches depth d (records summary)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, (name, s) in enumerate(records_summary.items()):
+        acc = s.get("accept_by_depth") if isinstance(s, dict) else None
+        if not acc:
+            continue
+        style = "-" if name.endswith("T0") else "--"
+        ax.plot(range(1, len(acc) + 1), acc, style, marker="o", ms=3, color=f"C{i // 2 % 10}",
+                label=f"{name} (tau {s.get('tau', float('nan')):.2f})")
+    ax.set_xlabel("depth d")
+    ax.set_ylabel("P(accepted path reaches depth d)")
+    ax.set_title("acceptance by depth (posterior records, template T)", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def tree_layout(paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[float, int]]:
+    """x (leaves in rank order, parents centred over their children) and depth of each rank path."""
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for p in sorted(paths, key=lambda p: (len(p), p)):
+        children.setdefault(p[:-1], []).append(p)
+    pos: dict[tuple[int, ...], tuple[float, int]] = {}
+    next_x = [0.0]
+
+    def place(node: tuple[int, ...]) -> float:
+        kids = sorted(children.get(node, []))
+        if not kids:
+            x = next_x[0]
+            next_x[0] += 1.0
+        else:
+            x = float(np.mean([place(k) for k in kids]))
+        pos[node] = (x, len(node))
+        return x
+
+    place(())
+    return pos
+
+
+def plot_structures(structures: Mapping[str, list[tuple[int, ...]]], path: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(structures), figsize=(5 * len(structures), 4), squeeze=False)
+    for ax, (tag, paths) in zip(axes[0], structures.items()):
+        pos = tree_layout(paths)
+        for node, (x, d) in pos.items():
+            if node:
+                px, pd = pos[node[:-1]]
+                ax.plot([px, x], [-pd, -d], "-", color="0.5", lw=1)
+        for node, (x, d) in pos.items():
+            ax.plot(x, -d, "o", ms=14 if node else 16, color="C0" if node else "C3")
+            ax.text(x, -d, "root" if not node else str(node[-1]), ha="center", va="center", fontsize=6, color="white")
+        ax.set_title(f"OGSPO structure {tag}: {len(paths)} nodes, depth {max((len(p) for p in paths), default=0)}"
+                     + (" (empty: autoregressive)" if not paths else ""), fontsize=9)
+        depth = max((len(p) for p in paths), default=0)
+        ax.set_yticks([-d for d in range(depth + 1)], [str(d) for d in range(depth + 1)])
+        ax.set_ylabel("depth")
+        ax.set_xticks([])
+        ax.set_xlabel("node labels: rank among siblings")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _fmt(x, spec=".2f", none="-") -> str:
+    return none if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
+
+
+def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], lossless: dict, missing: list[str],
+                  plots: list[Path], limits: list[str], tuned: dict) -> str:
+    lines = ["# ogspo evaluation report", ""]
+    temps = sorted({r["temperature"] for r in rows})
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for t in temps:
+        lines += [f"## Throughput, T={t:g} (median tokens/s [IQR], speedup over autoregressive)", "",
+                  "| method | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
+        for m in methods:
+            cells = []
+            for w in workloads:
+                r = next((r for r in rows if r["temperature"] == t and r["workload"] == w and r["method"] == m), None)
+                cells.append("-" if r is None else f"{r['throughput']:.1f} [{r['throughput_q25']:.1f}-"
+                             f"{r['throughput_q75']:.1f}] {_fmt(r['speedup'])}x")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines += ["", "| method | workload | tau | tree nodes/cycle | predicted tok/s | predicted/realised | oracle bound "
+                  "| draft | policy | verify | prefill | other |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in (r for r in rows if r["temperature"] == t):
+            s = r["time_split"]
+            lines.append(
+                f"| {r['method']} | {r['workload']} | {r['tau']:.2f} | {r['mean_tree_size']:.1f} | "
+                f"{_fmt(r['predicted_throughput'], '.1f')} | {_fmt(r['predicted_over_realised'])} | "
+                f"{_fmt(r['oracle_throughput'], '.1f')} | "
+                + " | ".join(f"{100 * s[k]:.0f}%" for k in ("draft", "policy", "verify", "prefill", "other")) + " |")
+        lines.append("")
+    lines += ["## OGSPO / tuned EAGLE-3 (median of per-request throughput ratios)", ""]
+    if ratios:
+        lines += ["| T | " + " | ".join(workloads) + " | mean |", "|---|" + "---:|" * (len(workloads) + 1)]
+        for tag, per in ratios.items():
+            vals = [per.get(w) for w in workloads]
+            got = [v for v in vals if v is not None]
+            lines.append(f"| {tag} | " + " | ".join(_fmt(v) for v in vals) + f" | {_fmt(float(np.mean(got)) if got else None)} |")
+        allv = [v for per in ratios.values() for v in per.values()]
+        lines += ["", f"Mean over workloads and temperatures: **{np.mean(allv):.2f}**."]
+    else:
+        lines.append("Not available: the evaluation ran without `ogspo` or without `eagle-tuned`.")
+    if tuned:
+        lines += ["", "Tuned EAGLE-3 trees [total_tokens, depth, top_k] (rule tune_eagle, train prompts): "
+                  + "; ".join(f"{tag} " + ", ".join(f"{w} {v}" for w, v in per.items()) for tag, per in tuned.items())]
+    near = lossless.get("near_ties", [])
+    lines += ["", "## Lossless check (T=0, every method against autoregressive decoding)", "",
+              f"{lossless.get('checked', 0)} requests compared, {lossless.get('mismatches', 0)} real mismatches "
+              f"(a mismatch stops the evaluation), {len(near)} float near-ties (top-2 logit margin < 1e-4):"]
+    lines += [f"- {n['method']} on {n['workload']} prompt {n['prompt_id']} (repeat {n['repeat']}): token {n['token']}, "
+              f"margin {n['margin']:.1e}" for n in near] or ["- none"]
+    lines += ["", "## What limits it", ""] + [f"- {x}" for x in limits]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    if missing:
+        lines += ["", "## Left out", ""] + [f"- {m}" for m in missing]
+    lines += ["", "Throughput is complete-request (generated tokens / wall time, prefill included). The predicted "
+              "throughput replaces each cycle's measured time by the latency model's t_draft + t_verify + t_fixed "
+              "(measured prefill kept). The oracle bound is the posterior optimum on the records' train prompts in "
+              "the latency model's units (cycles only, no prefill), so it is a reference, not a paired figure. The "
+              "stop policy's time is measured around the stop hook and taken out of 'other'.", ""]
+    return "\n".join(lines)
+
+
+def limiting_factors(rows: list[dict], *, latency_doc: dict | None, structures: Mapping[str, list]) -> list[str]:
+    """Data-driven statements about what bounds the speedup on this device."""
+    out = []
+    if latency_doc is not None:
+        m = LatencyModel.from_json(latency_doc)
+        L = float(np.median(m.contexts))
+        t1 = float(m.t_verify(1, L))
+        parts = [f"n={n}: {float(m.t_verify(n, L)) / t1:.2f}x" for n in (2, 4, 8, 16, 32) if n <= max(m.sizes)]
+        out.append(f"Verification cost relative to one token at L={L:.0f} (latency model): {', '.join(parts)}; one "
+                   f"draft level costs {1e3 * float(m.t_draft(1)):.1f} ms against {1e3 * t1:.1f} ms for a one-token "
+                   f"target pass, t_fixed {1e3 * m.fixed:.1f} ms. A cycle must commit more tokens than its relative "
+                   "cost to beat autoregressive decoding.")
+    for t in sorted({r["temperature"] for r in rows}):
+        at = [r for r in rows if r["temperature"] == t]
+        best = max((r for r in at if r["method"] != REFERENCE and r["speedup"] is not None),
+                   key=lambda r: r["speedup"], default=None)
+        if best is not None:
+            out.append(f"T={t:g}: fastest speculative method/workload is {best['method']} on {best['workload']} at "
+                       f"{best['speedup']:.2f}x autoregressive (tau {best['tau']:.2f}, verify "
+                       f"{100 * best['time_split']['verify']:.0f}% and draft {100 * best['time_split']['draft']:.0f}% "
+                       "of its wall time).")
+        og = [r for r in at if r["method"] == OGSPO]
+        if og:
+            tau = np.mean([r["tau"] for r in og])
+            pol = np.mean([r["time_split"]["policy"] for r in og])
+            pr = [r["predicted_over_realised"] for r in og if r["predicted_over_realised"] is not None]
+            orc = [r for r in og if r["oracle_throughput"] is not None]
+            text = f"T={t:g}: OGSPO commits {tau:.2f} tokens per cycle; its stop policy takes {100 * pol:.1f}% of wall time"
+            if pr:
+                text += f"; the latency model predicts {np.mean(pr):.2f}x the realised throughput"
+            if orc:
+                text += (f"; realised median {np.mean([r['throughput'] for r in orc]):.1f} tok/s against an oracle "
+                         f"bound of {orc[0]['oracle_throughput']:.1f} (records, cycles only)")
+            out.append(text + ".")
+    for tag, paths in structures.items():
+        depth = max((len(p) for p in paths), default=0)
+        out.append(f"{tag}: the OGSPO structure has {len(paths)} nodes, depth {depth}"
+                   + (" (empty: the oracle found drafting not worth its cost here)." if not paths else "."))
+    return out
+
+
+# ---------------------------------------------------------------- stage
+
+
+def write_report(
+    *,
+    evaluate_summary: Path,
+    requests: Path,
+    out_dir: Path,
+    latency: Path | None = None,
+    records_summary: Path | None = None,
+    structures: Mapping[str, Path] | None = None,
+    rounds: Mapping[str, Path] | None = None,
+) -> ReportResult:
+    """report/summary.json, report/report.md and the plots. `structures` and `rounds` map a temperature
+    tag (T0, T1) to policy/T*/structure.json and rounds/T*/rounds.parquet; absent rounds files leave
+    the rounds plot out (said in report.md)."""
+
+    out_dir = Path(out_dir)
+    ev = _read_json(evaluate_summary, "evaluation summary")
+    df = read_requests(requests)
+    oracle = ev.get("oracle") or {}
+    rows = summarize_requests(df, oracle=oracle)
+    if not rows:
+        raise ValueError(f"{requests} holds no requests")
+    ratios = ogspo_ratios(rows)
+    missing: list[str] = []
+    plots = [plot_throughput(rows, out_dir / "throughput.png")]
+    latency_doc = None
+    if latency is not None and Path(latency).is_file():
+        latency_doc = _read_json(latency, "latency file")
+        plots.append(plot_latency(Path(latency), out_dir / "latency.png"))
+    else:
+        missing.append(f"latency model fit: {latency} not found" if latency else "latency model fit: no latency.json given")
+    rounds_frames = {tag: read_rounds(Path(p)) for tag, p in (rounds or {}).items() if Path(p).is_file()}
+    absent = [str(p) for tag, p in (rounds or {}).items() if not Path(p).is_file()]
+    if rounds_frames:
+        plots.append(plot_rounds(rounds_frames, out_dir / "rounds.png"))
+    if absent or not rounds:
+        missing.append("OGSPO rounds plot: " + (f"{', '.join(absent)} not found (the alternating-rounds stage has not "
+                                                  "produced them)" if absent else "no rounds tables given"))
+    if records_summary is not None and Path(records_summary).is_file():
+        plots.append(plot_acceptance(_read_json(records_summary, "records summary"), out_dir / "acceptance.png"))
+    else:
+        missing.append(f"acceptance by depth: records summary {records_summary} not found")
+    paths = {}
+    for tag, p in (structures or {}).items():
+        if Path(p).is_file():
+            paths[tag] = [tuple(x) for x in load_structure(Path(p)).to_list()]
+        else:
+            missing.append(f"OGSPO structure {tag}: {p} not found")
+    if paths:
+        plots.append(plot_structures(paths, out_dir / "structure.png"))
+    limits = limiting_factors(rows, latency_doc=latency_doc, structures=paths)
+    lossless = ev.get("lossless") or {}
+    tuned = ev.get("eagle_tuned") or {}
+    allv = [v for per in ratios.values() for v in per.values()]
+    doc = json_safe({
+        "rows": rows,
+        "ogspo_vs_eagle_tuned": {"by_temperature": ratios,
+                                 "mean_by_temperature": {t: float(np.mean(list(v.values()))) for t, v in ratios.items()},
+                                 "mean": float(np.mean(allv)) if allv else None},
+        "lossless": lossless, "eagle_tuned": tuned, "oracle": oracle,
+        "plots": [p.name for p in plots], "left_out": missing, "limits": limits,
+        "reference": REFERENCE, "baseline": TUNED,
+    })
+    summary_path = out_dir / "summary.json"
+    md_path = out_dir / "report.md"
+    md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned)
+    for path, text in ((summary_path, json.dumps(doc, indent=1) + "\n"), (md_path, md)):
+        write_text(path, text)
+    return ReportResult(summary_path=summary_path, markdown_path=md_path, plots=plots, missing=missing, ratios=ratios)
