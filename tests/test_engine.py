@@ -142,3 +142,18 @@ def test_cli_generate_rejects_open_structure(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path), "--method", "static", "--structure", "[[0], [0, 1]]", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert "left-closed" in err and "\n" not in err
+
+
+def test_fused_weights_are_the_models_own_single_copy():
+    """The engine's fused QKV and gate/up matrices are the transformers weights' storage (one copy of
+    the model in memory), and the transformers model still decodes the same."""
+    model = tiny_model(0)
+    before = hf_greedy(model, PROMPTS[0], 12)
+    target = build_tree_lm(model, max_len=64)
+    layer = model.model.layers[0]
+    qkv, gate_up = target.mm["qkv"].weights[0].w, target.mm["gate_up"].weights[0].w
+    for lin, fused in ((layer.self_attn.q_proj, qkv), (layer.self_attn.v_proj, qkv), (layer.mlp.up_proj, gate_up)):
+        assert lin.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert hf_greedy(model, PROMPTS[0], 12) == before
+    engine = SpeculativeEngine(target=target, policy=chain(3), drafter=LMDrafter(build_tree_lm(tiny_model(1), max_len=64)))
+    assert engine.generate(PROMPTS[0], max_new_tokens=12).tokens == before
