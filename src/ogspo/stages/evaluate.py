@@ -285,18 +285,6 @@ def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
     return pl.DataFrame(data, schema_overrides=schema)
 
 
-def _reference_caller(hf_model):
-    """compare_greedy calls model(ids); move ids to the model's device first."""
-    import torch
-
-    device = next(hf_model.parameters()).device
-
-    def call(ids: torch.Tensor):
-        return hf_model(ids.to(device))
-
-    return call
-
-
 def evaluate_methods(
     *,
     target,
@@ -395,7 +383,7 @@ def _check_lossless(out: dict[str, RequestRow], ref_name: str, prompt: list[int]
         if ref_model is None:
             raise LosslessError(f"lossless check failed: method '{name}' differs from autoregressive decoding on "
                                 f"{workload} prompt {prompt_id} (repeat {repeat}) and no reference model is given")
-        rep = compare_greedy(_reference_caller(ref_model), prompt, ref, row.tokens, tie_margin=tie_margin)
+        rep = compare_greedy(ref_model, prompt, ref, row.tokens, tie_margin=tie_margin)
         if rep.equal:  # cannot happen (tokens differ); kept explicit
             row.lossless = "identical"
         elif rep.near_tie:
