@@ -3,6 +3,7 @@ the native kernels' sources): the package is built as a wheel, installed into a 
 outside the repository. The dependencies come from this interpreter's site-packages through a .pth
 file (a wheel's own dependencies would be downloaded otherwise; torch alone is gigabytes)."""
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -13,7 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(*cmd, cwd=None):
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the install decides what imports
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

@@ -129,6 +129,18 @@ class TreeLM:
         return torch.cat([head, attend], dim=1)
 
 
+def _fuse(linears) -> torch.Tensor:
+    """The weights of `linears` stacked by rows into one matrix, which the transformers modules then
+    read through row views: one copy of the weights, not two (the model may be on a GPU)."""
+    w = torch.cat([lin.weight for lin in linears], 0)  # [sum out, in]
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = w[start : start + rows]
+        start += rows
+    return w
+
+
 def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
     pos = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)
     freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_len, hd/2]
@@ -178,9 +190,9 @@ class LlamaTreeLM(TreeLM):
                 bqkv = None
                 if a.q_proj.bias is not None:
                     bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-                fused["qkv"].append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0))  # [(H + 2KV) * hd, dim]
+                fused["qkv"].append(_fuse([a.q_proj, a.k_proj, a.v_proj]))  # [(H + 2KV) * hd, dim]
                 fused["o"].append(a.o_proj.weight)  # [dim, H * hd]
-                fused["gate_up"].append(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0))  # [2 * inter, dim]
+                fused["gate_up"].append(_fuse([m.gate_proj, m.up_proj]))  # [2 * inter, dim]
                 fused["down"].append(m.down_proj.weight)  # [dim, inter]
                 self.layers.append(dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight))
         shapes = {c: list(ws[0].shape) for c, ws in fused.items()} | {"lm_head": list(self.lm_head.shape)}

@@ -4,6 +4,7 @@ the structure it was trained for (docs/DESIGN.md §5)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,23 +22,28 @@ class OnnxPolicy:
     `recent_accept` is tracked from it cycle by cycle (`RecentAccept`)."""
 
     def __init__(self, path: Path, *, device: str = "cpu"):
-        import onnxruntime as ort
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise ImportError("the ogspo method runs its policy with onnxruntime: pip install 'ogspo[cpu]', or "
+                              "'ogspo[gpu]' on CUDA machines (never both)") from None
 
         path = Path(path)
         if path.is_dir():
             path = path / POLICY_FILE
         if not path.is_file():
             raise FileNotFoundError(f"policy file {path} does not exist")
-        providers = ["CPUExecutionProvider"]
+        candidates = ["CPUExecutionProvider"]
         if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
+            candidates.append("CUDAExecutionProvider")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            sessions = {p: ort.InferenceSession(str(path), sess_options=opts, providers=[p]) for p in candidates}
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises several error types for bad files
             raise ValueError(f"policy file {path} is not a readable ONNX model ({exc.__class__.__name__})") from None
+        self.session = sessions["CPUExecutionProvider"]
         self.path = path
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         if "ogspo_features_version" not in self.metadata:
@@ -55,6 +61,10 @@ class OnnxPolicy:
         paths = json.loads(self.metadata.get("ogspo_structure", "[]"))
         self.structure = Structure(paths) if paths else None
         self.lam = float(self.metadata["ogspo_lambda"]) if self.metadata.get("ogspo_lambda") else None
+        # the provider is chosen by measurement: for a head this small the CPU often beats a GPU launch
+        self.provider_seconds = {p: _seconds_per_call(sess) for p, sess in sessions.items()} if len(sessions) > 1 else {}
+        if self.provider_seconds:
+            self.session = sessions[min(self.provider_seconds, key=self.provider_seconds.get)]
         self.providers = self.session.get_providers()
         self.recent = RecentAccept()
         self.calls = 0
@@ -82,6 +92,19 @@ class OnnxPolicy:
         self.calls += 1
         self.stops += stop
         return stop
+
+
+def _seconds_per_call(session, calls: int = 200) -> float:
+    """Median seconds of one single-state call of `session` (after a warm-up)."""
+    x = np.zeros((1, len(FEATURE_NAMES)), dtype=np.float32)  # [1, F]
+    for _ in range(20):
+        session.run(None, {INPUT_NAME: x})
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        session.run(None, {INPUT_NAME: x})
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None"]:

@@ -32,6 +32,7 @@ from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
 from ogspo.engine.tree import DraftTree
+from ogspo.methods.ogspo import OgspoTree
 from ogspo.methods.registry import EVAL_METHODS, REFERENCE, TUNED, make_policy
 
 
@@ -284,18 +285,6 @@ def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
     return pl.DataFrame(data, schema_overrides=schema)
 
 
-def _reference_caller(hf_model):
-    """compare_greedy calls model(ids); move ids to the model's device first."""
-    import torch
-
-    device = next(hf_model.parameters()).device
-
-    def call(ids: torch.Tensor):
-        return hf_model(ids.to(device))
-
-    return call
-
-
 def evaluate_methods(
     *,
     target,
@@ -331,12 +320,16 @@ def evaluate_methods(
     slot = 0
     tuned: dict[str, dict[str, list[int]]] = {}
     ref_name = next(m.name for m in methods if m.kind == REFERENCE)
+    providers: dict[str, dict] = {}
     for temp in temperatures:
         tag = temperature_tag(temp)
         for workload, plist in prompts.items():
             engines = []
             for spec in methods:
                 pol = build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
+                if isinstance(pol, OgspoTree):  # which onnxruntime provider its head runs on, and why
+                    providers[f"{spec.name}/{tag}/{workload}"] = {"provider": pol.hook.providers[0],
+                                                                  "seconds_per_call": pol.hook.provider_seconds}
                 if spec.kind == TUNED:
                     tuned.setdefault(tag, {})[workload] = [pol.total_tokens, pol.max_depth, pol.top_k]
                 engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp,
@@ -370,7 +363,7 @@ def evaluate_methods(
         rows=rows, summary=summarize_requests(frame, oracle=oracle), checked=checked, near_ties=near, oracle=oracle,
         tuned=tuned, seconds=time.perf_counter() - t_start,
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
-                  "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed,
+                  "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "prompts": {w: [p for p, _ in v] for w, v in prompts.items()}},
     )
 
@@ -390,7 +383,7 @@ def _check_lossless(out: dict[str, RequestRow], ref_name: str, prompt: list[int]
         if ref_model is None:
             raise LosslessError(f"lossless check failed: method '{name}' differs from autoregressive decoding on "
                                 f"{workload} prompt {prompt_id} (repeat {repeat}) and no reference model is given")
-        rep = compare_greedy(_reference_caller(ref_model), prompt, ref, row.tokens, tie_margin=tie_margin)
+        rep = compare_greedy(ref_model, prompt, ref, row.tokens, tie_margin=tie_margin)
         if rep.equal:  # cannot happen (tokens differ); kept explicit
             row.lossless = "identical"
         elif rep.near_tie:
