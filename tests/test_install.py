@@ -4,6 +4,7 @@ outside the repository. The dependencies come from this interpreter's site-packa
 file (a wheel's own dependencies would be downloaded otherwise; torch alone is gigabytes)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +22,11 @@ def _run(*cmd, cwd=None):
 
 
 def test_installed_wheel_prepares_workloads_outside_the_repository(tmp_path, smollm2_dir):
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "wheel", REPO)
+    source = tmp_path / "source"  # built from a copy: setuptools writes build/ beside the sources
+    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "wheel", source)
     (wheel,) = (tmp_path / "wheel").glob("ogspo-*.whl")
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)

@@ -1,1 +1,0 @@
-"""EAGLE-3-style draft head: model (`head`), runtime drafter (`runtime`), data, training, measurement."""

@@ -1,1 +1,0 @@
-"""Lossless tree speculative decoding: trees, target forwards, drafters, policies, verification."""

@@ -1,1 +1,0 @@
-"""Torch training: the OGSPO policy head, the same-trace rounds, the router, and ONNX export."""

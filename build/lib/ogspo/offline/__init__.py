@@ -1,1 +1,0 @@
-"""Offline solvers on records and latency models: numpy, polars and SCIP (pyscipopt), no torch."""

@@ -1,1 +1,0 @@
-"""One module per workflow rule: read the inputs, call the layers below, write the outputs."""
