@@ -9,7 +9,7 @@ rule train_drafter:
     output:
         directory(f"{RESULTS}/drafter"),
     params:
-        config=config_json(config, "drafter", "seed", "workloads"),
+        config=config_json(config, "drafter", "seed", "workloads", "torch_device"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
         work_dir=f"{RESULTS}/work/drafter",
     log:
@@ -38,7 +38,7 @@ rule measure_drafter:
         json=f"{RESULTS}/drafter_eval/acceptance.json",
         md=f"{RESULTS}/drafter_eval/acceptance.md",
     params:
-        config=config_json(config, "measure_drafter", "seed"),
+        config=config_json(config, "measure_drafter", "seed", "torch_device"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
     log:
         f"{RESULTS}/logs/measure_drafter.log",
