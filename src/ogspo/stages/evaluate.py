@@ -306,7 +306,8 @@ def evaluate_methods(
 ) -> EvaluateResult:
     """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
     by request in rotated order. `reference_model` (an HF causal LM, default `target.hf_model`) tells
-    near-ties from real mismatches at T=0; a real mismatch raises `LosslessError` at once."""
+    near-ties from real mismatches at T=0; a real mismatch raises `LosslessError` at once. One function
+    on purpose (~80 lines): the interleaved loop, its rotation and the lossless check share each slot's state."""
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats} and {max_new_tokens}")
     if REFERENCE not in {m.kind for m in methods}:
