@@ -181,9 +181,7 @@ def time_engine(device: torch.device, *, dtype, tokens: int, reps: int, sizes: l
     rows.append(f"| verify(1) at context {context} | {times[1] * 1e3:.2f} ms |")
     rows += [f"| verify({n}) / verify(1) | {times[n] / times[1]:.2f} |" for n in sizes if n > 1]
     # one draft-head level over w frontier nodes
-    cache.reset()
-    pre = target.forward(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device), None)
-    cache.commit_prefix(len(prompt))
+    pre = target.prefill(prompt)
     for w in (1, 4, 16):
         samples = []
         for r in range(reps + 2):

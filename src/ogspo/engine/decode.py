@@ -236,12 +236,7 @@ class SpeculativeEngine:
     def _prefill(self, prompt: list[int]) -> ForwardOut:
         """Fill the target cache with the prompt and begin the drafter; returns the target's output
         (logits of the last position, features of every position)."""
-        cache, dev = self.target.cache, self.target.device
-        cache.reset()
-        L = len(prompt)
-        pre = self.target.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None,
-                                  logits_rows=torch.tensor([L - 1], device=dev))
-        cache.commit_prefix(L)
+        pre = self.target.prefill(prompt)
         self.policy.begin(list(prompt))
         if self.drafter is not None:
             self.drafter.begin(list(prompt), pre)

@@ -118,6 +118,16 @@ class TreeLM:
     ) -> ForwardOut:
         raise NotImplementedError
 
+    def prefill(self, prompt: list[int]) -> ForwardOut:
+        """Reset the cache and commit `prompt` as its first rows: logits of the last position, features
+        of every position."""
+        self.cache.reset()
+        L, dev = len(prompt), self.device
+        out = self.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None,
+                           logits_rows=torch.tensor([L - 1], device=dev))
+        self.cache.commit_prefix(L)
+        return out
+
     def full_mask(self, attend: torch.Tensor | None, m: int) -> torch.Tensor | None:
         """Boolean mask [m, committed + pending + m]: committed rows always visible."""
         c = self.cache

@@ -183,12 +183,8 @@ def calibrate_latency(
     # ---- t_draft(w): frontier of w depth-1 nodes of a real drafting state
     prompt_len = min(contexts[0], 128)
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
-    target.cache.reset()
-    dev = target.device
-    pre = target.forward(torch.tensor(prompt, device=dev), torch.arange(prompt_len, device=dev), None,
-                         logits_rows=torch.tensor([prompt_len - 1], device=dev))
-    target.cache.commit_prefix(prompt_len)
-    draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=dev)
+    pre = target.prefill(prompt)
+    draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device)
 
     # ---- t_fixed from real engine cycles
     struct = Structure.full([2, 2, 1])
@@ -198,7 +194,7 @@ def calibrate_latency(
     fixed = float(np.median(fixed_samples)) if fixed_samples else 0.0
 
     info = {
-        "device": _device_name(dev),
+        "device": _device_name(target.device),
         "torch": torch.__version__,
         "reps": reps,
         "warmup": warmup,

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-import torch
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import write_text
@@ -62,11 +61,8 @@ def eval_prompts(workloads_dir: Path, tokenizer, n: int) -> dict[str, list[list[
 
 def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: int = 20) -> dict[int, float]:
     """Median ms of one drafter level over w frontier nodes, from a real drafting state."""
-    L = len(prompt)
     dev = target.device
-    target.cache.reset()
-    pre = target.forward(torch.tensor(prompt, device=dev), torch.arange(L, device=dev), None)
-    target.cache.commit_prefix(L)
+    pre = target.prefill(prompt)
     out: dict[int, list[float]] = {w: [] for w in widths}
     for r in range(reps + 2):
         drafter.begin(prompt, pre)
