@@ -41,7 +41,7 @@ def main() -> int:
 
     if args.from_json:
         d = json.loads(args.from_json.read_text())
-        res = MeasureResult(figures=[MethodFigures(**f) for f in d["figures"]],
+        res = MeasureResult(figures=[MethodFigures(**({"head": "base"} | f)) for f in d["figures"]],
                             expand_ms={int(k): v for k, v in d["expand_ms"].items()}, seconds=d["seconds"])
         args.prompts, args.tokens = d.get("prompts_per_workload", args.prompts), d.get("max_new_tokens", args.tokens)
     else:
@@ -51,7 +51,7 @@ def main() -> int:
             ap.error(f"--trees takes total_tokens,depth,top_k triples such as 60,5,10; got {args.trees}")
         if any(len(t) != 3 or min(t) < 1 for t in trees):
             ap.error(f"--trees takes total_tokens,depth,top_k triples of positive integers; got {args.trees}")
-        res = measure_drafter(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
+        res = measure_drafter(model_dir=args.model, drafter_dirs={"base": args.drafter}, workloads_dir=args.workloads,
                               prompts_per_workload=args.prompts, max_new_tokens=args.tokens, trees=trees,
                               chain_depth=args.chain_depth)
     meta = json.loads((args.drafter / "drafter.json").read_text())

@@ -25,7 +25,11 @@ TIMING_THREADS = workflow.cores if isinstance(workflow.cores, int) and workflow.
 # Memory of a model rule scales with the prepared weights: lambda wildcards, input: model_memory_mb(input.model, extra).
 # Every stage that decodes or times the target runs it with the device's kernel table (rule calibrate_kernels).
 KERNELS = f"{RESULTS}/kernels/kernels.json"
-# Input function of the latency and records stages: the trained drafter folder (rule train_drafter).
-drafter_input = lambda wildcards: f"{RESULTS}/drafter"
+# The draft heads by label: the train_drafter head, and its GTO fine-tune (rule train_gto) when
+# drafter.gto.enabled. Every stage that drafts uses the GTO head when there is one.
+HEADS = {"base": f"{RESULTS}/drafter"}
+if config["drafter"]["gto"]["enabled"]:
+    HEADS["gto"] = f"{RESULTS}/drafter_gto"
+drafter_input = lambda wildcards: HEADS.get("gto", HEADS["base"])
 # Records folder per temperature: 0 -> T0, 1.0 -> T1, 0.7 -> T0.7.
 RECORD_TEMPERATURES = [f"T{float(t):g}" for t in config["records"]["temperatures"]]

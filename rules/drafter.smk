@@ -1,5 +1,6 @@
 # Stage 2: train the EAGLE-3-style draft head on the train split (and the target's own answers),
-# then measure its acceptance on the held-out eval prompts.
+# fine-tune it with GTO on the trees it is decoded with, then measure both heads' acceptance on the
+# held-out eval prompts.
 
 
 rule train_drafter:
@@ -9,7 +10,7 @@ rule train_drafter:
     output:
         directory(f"{RESULTS}/drafter"),
     params:
-        config=config_json(config, "drafter", "seed", "workloads", "torch_device"),
+        config=config_json(config, "drafter", "seed", "workloads", "torch_device", omit=("drafter.gto",)),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
         work_dir=f"{RESULTS}/work/drafter",
     log:
@@ -28,10 +29,37 @@ rule train_drafter:
         " --workloads {params.workloads_dir} --out {output} --work {params.work_dir} > {log} 2>&1"
 
 
-rule measure_drafter:
+rule train_gto:
     input:
         model=f"{RESULTS}/model",
         drafter=f"{RESULTS}/drafter",
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+    output:
+        directory(f"{RESULTS}/drafter_gto"),
+    params:
+        config=config_json(config, "drafter", "seed", "workloads", "torch_device", omit=("drafter.gto.enabled",)),
+        workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
+        work_dir=f"{RESULTS}/work/drafter",
+    log:
+        f"{RESULTS}/logs/train_gto.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/train_gto.tsv"
+    threads: 2
+    resources:
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 6000),
+        gpu=GPU,
+        runtime=30,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo train-gto --config-json {params.config:q} --model {input.model} --drafter {input.drafter}"
+        " --workloads {params.workloads_dir} --out {output} --work {params.work_dir} > {log} 2>&1"
+
+
+rule measure_drafter:
+    input:
+        unpack(lambda wildcards: HEADS),
+        model=f"{RESULTS}/model",
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
         kernels=KERNELS,
     output:
@@ -39,6 +67,7 @@ rule measure_drafter:
         md=f"{RESULTS}/drafter_eval/acceptance.md",
     params:
         config=config_json(config, "measure_drafter", "seed", "torch_device"),
+        gto=f"--gto-drafter {HEADS['gto']}" if "gto" in HEADS else "",
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
     log:
         f"{RESULTS}/logs/measure_drafter.log",
@@ -52,5 +81,6 @@ rule measure_drafter:
     conda:
         "../envs/torch.yaml"
     shell:
-        "ogspo measure-drafter --config-json {params.config:q} --model {input.model} --drafter {input.drafter}"
+        "ogspo measure-drafter --config-json {params.config:q} --model {input.model} --drafter {input.base}"
+        " {params.gto}"
         " --workloads {params.workloads_dir} --kernels {input.kernels} --out-json {output.json} --out-md {output.md} > {log} 2>&1"

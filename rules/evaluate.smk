@@ -95,6 +95,8 @@ rule report:
         records=f"{RESULTS}/records/summary.json",
         policy=expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
         rounds=expand(f"{RESULTS}/rounds/{{tag}}", tag=RECORD_TEMPERATURES),
+        drafter_eval=f"{RESULTS}/drafter_eval/acceptance.json",
+        heads=list(HEADS.values()),
     output:
         summary=f"{RESULTS}/report/summary.json",
         md=f"{RESULTS}/report/report.md",
@@ -103,6 +105,7 @@ rule report:
         structures=lambda wildcards, input: [f"{tag}={d}/structure.json" for tag, d in zip(RECORD_TEMPERATURES, input.policy)],
         rounds=lambda wildcards, input: [f"{tag}={d}/rounds.parquet" for tag, d in zip(RECORD_TEMPERATURES, input.rounds)],
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
+        heads=" ".join(f"{label}={path}" for label, path in HEADS.items()),
     log:
         f"{RESULTS}/logs/report.log",
     threads: 1
@@ -114,4 +117,4 @@ rule report:
     shell:
         "ogspo report --evaluate-summary {input.summary} --requests {input.requests} --latency {input.latency}"
         " --records-summary {input.records} --structure {params.structures} --rounds {params.rounds}"
-        " --out {params.out_dir} > {log} 2>&1"
+        " --drafter-eval {input.drafter_eval} --head {params.heads} --out {params.out_dir} > {log} 2>&1"

@@ -1,4 +1,5 @@
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ogspo.stages.config import ConfigError, deep_merge, load_config, read_config_files
+from ogspo.stages.config import ConfigError, config_json, deep_merge, load_config, read_config_files
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "config" / "default.yaml"
@@ -140,7 +141,7 @@ def test_snakemake_cluster_profile_dry_runs():
 
 # Rules that run the target model: on CUDA each needs the GPU; every other rule runs on CPUs only
 # (data preparation, the SCIP solver, the small policy and router heads, the report).
-MODEL_RULES = {"calibrate_kernels", "train_drafter", "measure_drafter", "calibrate_latency", "collect_records",
+MODEL_RULES = {"calibrate_kernels", "train_drafter", "train_gto", "measure_drafter", "calibrate_latency", "collect_records",
                "ogspo_rounds", "tune_eagle", "evaluate"}
 
 
@@ -207,3 +208,14 @@ def test_a_machine_without_fortunes_runs_the_other_workloads(base, tmp_path):
     proc = _snakemake("-n", "--configfile", str(mine))
     assert proc.returncode == 0, proc.stderr
     assert "workloads/mtbench.parquet" in proc.stdout and "workloads/fortunes.parquet" not in proc.stdout
+
+
+def test_train_drafter_params_leave_out_gto_so_gto_settings_do_not_retrain_the_head(base):
+    a = json.loads(config_json(base, "drafter", "seed", omit=("drafter.gto",)))
+    changed = copy.deepcopy(base)
+    changed["drafter"]["gto"]["omega"] = 0.0
+    assert json.loads(config_json(changed, "drafter", "seed", omit=("drafter.gto",))) == a and "gto" not in a["drafter"]
+    assert base["drafter"]["gto"]["omega"] != 0.0  # the caller's config is left alone
+    assert json.loads(config_json(changed, "drafter"))["drafter"]["gto"]["omega"] == 0.0
+    # the sliced section still validates: train_gto fills the GTO settings from the defaults
+    assert "gto" not in load_config(a, sections=("drafter", "seed"))["drafter"]

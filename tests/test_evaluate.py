@@ -271,12 +271,27 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
     pl.DataFrame({"round": [0, 1, 2], "surrogate_J": [20.0, 22.0, 22.5], "oracle_bound": [35.0] * 3,
                   "same_trace_J": [19.0, 21.0, 21.5], "corrected_J": [19.5, 21.5, 22.0], "accepted": [True, True, False],
                   "structure_size": [7, 8, 8]}).write_parquet(tmp_path / "rounds_T0.parquet")
+    figs = [{"workload": "alpha", "temperature": 0.0, "method": "ar", "head": "", "tau": 1.0, "throughput": 30.0, "speedup": 1.0,
+             "tokens": 10, "accept_by_depth": []}]
+    for head, acc, tau in (("base", [0.4, 0.3], 1.6), ("gto", [0.5, 0.35], 1.9)):
+        figs += [{"workload": "alpha", "temperature": 0.0, "method": "chain2", "head": head, "tau": 1.5, "throughput": 31.0,
+                  "speedup": 1.03, "tokens": 10, "accept_by_depth": acc},
+                 {"workload": "alpha", "temperature": 0.0, "method": "eagle8-3-2", "head": head, "tau": tau, "throughput": 33.0,
+                  "speedup": 1.1, "tokens": 10, "accept_by_depth": []}]
+        (tmp_path / head).mkdir()
+        meta = {"metrics": {"val_top1": [0.45, 0.3]}}
+        if head == "gto":
+            meta["gto_metrics"] = {"steps": 100, "seconds": 120.0, "reward_before": 2.5, "reward_after": 2.75,
+                                   "accepted_before": 0.8, "accepted_after": 0.9}
+        (tmp_path / head / "drafter.json").write_text(json.dumps(meta))
+    (tmp_path / "acceptance.json").write_text(json.dumps({"figures": figs}))
     out = tmp_path / "report"
     r = write_report(
         evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=out,
         latency=tmp_path / "latency.json", records_summary=tmp_path / "records.json",
         structures={"T0": tmp_path / "structure_T0.json", "T1": tmp_path / "structure_T1.json"},
         rounds={"T0": tmp_path / "rounds_T0.parquet", "T1": tmp_path / "absent.parquet"},
+        drafter_eval=tmp_path / "acceptance.json", heads={"base": tmp_path / "base", "gto": tmp_path / "gto"},
     )
     doc = json.loads((out / "summary.json").read_text())
     assert len(doc["rows"]) == 4 * 2 * 2  # methods x workloads x temperatures
@@ -296,6 +311,10 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
     assert "beta1" in md and "1 float near-ties" in md  # the near-tie is reported
     assert "absent.parquet not found" in md and any("absent.parquet" in m for m in r.missing)
     assert "What limits it" in md and "T1: the OGSPO structure has 0 nodes" in md
+    # both heads side by side, with GTO's reward before and after
+    assert "| alpha | 0 | base | 0.40, 0.30 | eagle8-3-2 | 1.60 | 1.10x |" in md
+    assert "| alpha | 0 | gto | 0.50, 0.35 | eagle8-3-2 | 1.90 | 1.10x |" in md
+    assert "Draft Tree Reward 2.500 -> 2.750" in md
     # without rounds tables at all, the plot is left out and said so
     r2 = write_report(evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=tmp_path / "r2")
     assert [p.name for p in r2.plots] == ["throughput.png"] and len(r2.missing) == 3

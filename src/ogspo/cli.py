@@ -46,6 +46,7 @@ from ogspo.stages.rounds import run_rounds_stage
 from ogspo.stages.routing import run_train_routing
 from ogspo.stages.sequoia import build_sequoia
 from ogspo.stages.train_drafter import run_train_drafter
+from ogspo.stages.train_gto import run_train_gto
 from ogspo.stages.train_policy import run_train_policy
 from ogspo.stages.workloads import prepare_workloads
 
@@ -359,10 +360,32 @@ def _run_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_gto(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--model", required=True, type=Path, help="prepared model folder")
+    p.add_argument("--drafter", required=True, type=Path, help="the train_drafter head folder (the reference head)")
+    p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (train split is used)")
+    p.add_argument("--out", required=True, type=Path, help="drafter folder to write")
+    p.add_argument("--work", required=True, type=Path, help="train_drafter's work folder (its cached training data)")
+
+
+def _run_train_gto(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
+    fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
+    r = run_train_gto(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads, out_dir=args.out,
+                      work_dir=args.work, fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"],
+                      device=cfg["torch_device"])
+    print(f"GTO: {r.steps} steps in {r.seconds:.0f} s; held-out Draft Tree Reward {r.reward_before:.3f} -> {r.reward_after:.3f}, "
+          f"accepted tokens per tree {r.accepted_before:.3f} -> {r.accepted_after:.3f} -> {args.out}")
+    return 0
+
+
 def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
-    p.add_argument("--drafter", required=True, type=Path, help="trained head folder")
+    p.add_argument("--drafter", required=True, type=Path, help="the train_drafter head folder (label base)")
+    p.add_argument("--gto-drafter", type=Path, help="its GTO fine-tune (label gto), measured side by side")
     p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (eval split is used)")
     p.add_argument("--out-json", required=True, type=Path)
     p.add_argument("--out-md", required=True, type=Path)
@@ -374,8 +397,8 @@ def _run_measure_drafter(args: argparse.Namespace) -> int:
     cfg = _load_config(args, ("measure_drafter", "seed", "torch_device"))
     m = cfg["measure_drafter"]
     result = measure_drafter(
-        model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads,
-        prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
+        model_dir=args.model, drafter_dirs={"base": args.drafter} | ({"gto": args.gto_drafter} if args.gto_drafter else {}),
+        workloads_dir=args.workloads, prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
         temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
         chain_depth=m["chain_depth"], seed=cfg["seed"], kernels=_read_kernels(args), device=cfg["torch_device"],
     )
@@ -621,6 +644,8 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records-summary", type=Path, help="records/summary.json (acceptance by depth plot)")
     p.add_argument("--structure", nargs="*", metavar="TAG=PATH", help="OGSPO structure.json per temperature tag")
     p.add_argument("--rounds", nargs="*", metavar="TAG=PATH", help="rounds.parquet per temperature tag (absent files: plot left out)")
+    p.add_argument("--drafter-eval", type=Path, help="drafter_eval/acceptance.json (the draft heads side by side)")
+    p.add_argument("--head", nargs="*", metavar="LABEL=PATH", help="drafter folder per head label (base, gto): training figures")
     p.add_argument("--out", required=True, type=Path, help="report folder")
 
 
@@ -629,7 +654,8 @@ def _run_report(args: argparse.Namespace) -> int:
     r = write_report(
         evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
         records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
-        rounds=_key_paths(args.rounds, "--rounds"),
+        rounds=_key_paths(args.rounds, "--rounds"), drafter_eval=args.drafter_eval,
+        heads=_key_paths(args.head, "--head", ("base", "gto")),
     )
     print(f"report: {len(r.plots)} plots, OGSPO / tuned EAGLE-3 {r.ratios or 'n/a'} -> {r.markdown_path}")
     for m in r.missing:
@@ -641,6 +667,7 @@ COMMANDS: dict[str, Command] = {
     "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
     "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
     "train-drafter": Command("train the EAGLE-3-style draft head", _add_train_drafter, _run_train_drafter),
+    "train-gto": Command("fine-tune the draft head with GTO on the trees it is decoded with", _add_train_gto, _run_train_gto),
     "measure-drafter": Command("measure the head's acceptance on eval prompts", _add_measure_drafter, _run_measure_drafter),
     "generate": Command("decode one prompt with a speculative method, streaming", _add_generate, _run_generate),
     "calibrate-kernels": Command("time matmul kernels per weight class and row count on this device", _add_calibrate_kernels, _run_calibrate_kernels),

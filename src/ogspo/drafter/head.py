@@ -155,9 +155,11 @@ class EagleHead(nn.Module):
 
     # ------------------------------------------------------------------ training (TTT)
 
-    def forward_train(self, feats3: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward_train(self, feats3: torch.Tensor, next_tokens: torch.Tensor, steps: int, *,
+                      logits: bool = True) -> list[torch.Tensor]:
         """feats3 [B, T, 3D] target features at t, next_tokens [B, T] token t+1.
-        Returns per TTT step the draft logits [B, T, V'] predicting token t+2."""
+        Returns per TTT step the draft logits [B, T, V'] predicting token t+2 (with `logits=False`
+        the layer outputs [B, T, D], for a caller that needs `self.logits` of a few rows only)."""
         B, T, _ = feats3.shape
         pos = torch.arange(T, device=feats3.device).expand(B, T)
         cos, sin = self.rope(pos, feats3.dtype)
@@ -180,7 +182,7 @@ class EagleHead(nn.Module):
                 q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
             )  # [B, H, T, hd]
             outs.append(self.finish(x, attn))
-        return [self.logits(o) for o in outs]
+        return [self.logits(o) for o in outs] if logits else outs
 
     # ------------------------------------------------------------------ inference
 

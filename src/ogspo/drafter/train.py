@@ -101,6 +101,22 @@ def chunk_index(seqs: list[Sequence], seq_len: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
+def split_windows(seqs: list[Sequence], cfg: dict, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out, training) windows: a seeded `val_fraction` of all windows is held out (the same split
+    for `train_drafter` and `train_gto`, given the same generator)."""
+    windows = chunk_index(seqs, cfg["seq_len"])
+    perm = rng.permutation(len(windows))
+    n_val = max(1, int(len(windows) * cfg["val_fraction"]))
+    return windows[perm[:n_val]], windows[perm[n_val:]]
+
+
+def target_to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[vocab] draft id of every target id, -1 outside the draft vocabulary (on the CPU, where the data lives)."""
+    t2d = torch.full((vocab,), -1, dtype=torch.long, device="cpu")
+    t2d[d2t.cpu()] = torch.arange(len(d2t), device="cpu")
+    return t2d
+
+
 def window_lengths(seqs: list[Sequence], windows: np.ndarray, seq_len: int) -> np.ndarray:
     return np.array([min(seq_len, len(seqs[i].tokens) - 1 - a) for i, a in windows], dtype=np.int64)
 
@@ -213,7 +229,7 @@ def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch
     return vl, va, nb
 
 
-def _write_head(head: EagleHead, meta: dict, out_dir: Path) -> None:
+def write_head(head: EagleHead, meta: dict, out_dir: Path) -> None:
     """The drafter folder (weights + drafter.json), built beside `out_dir` and renamed over it."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -239,6 +255,7 @@ def train_drafter(
 ) -> TrainResult:
 
     cfg = settings("drafter", config)
+    cfg.pop("gto")  # stage train_gto's settings
     torch.manual_seed(seed)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -249,17 +266,14 @@ def train_drafter(
     data_s = time.perf_counter() - t0
 
     d2t = draft_vocabulary(seqs, size=head_cfg.draft_vocab, vocab=head_cfg.vocab, always=[tokenizer.eos_token_id])
-    t2d = torch.full((head_cfg.vocab,), -1, dtype=torch.long, device="cpu")  # indexes the CPU-side data
-    t2d[d2t] = torch.arange(len(d2t), device="cpu")
+    t2d = target_to_draft(d2t, head_cfg.vocab)
     head = EagleHead(head_cfg, embed=model.get_input_embeddings().weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t)
     head.init_from_target(model)
     del model
 
-    windows = chunk_index(seqs, cfg["seq_len"])
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(len(windows))
-    n_val = max(1, int(len(windows) * cfg["val_fraction"]))
-    val, train = windows[perm[:n_val]], windows[perm[n_val:]]
+    val, train = split_windows(seqs, cfg, rng)
+    windows = chunk_index(seqs, cfg["seq_len"])
     batch_tokens = cfg["batch_size"] * cfg["seq_len"]
     batches = token_batches(window_lengths(seqs, train, cfg["seq_len"]), batch_tokens)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -295,7 +309,7 @@ def train_drafter(
                     "data_seconds": data_s, "train_seconds": train_s, "steps": cfg["steps"], "history": history},
     }
     out_dir = Path(out_dir)
-    _write_head(head, meta, out_dir)
+    write_head(head, meta, out_dir)
     if ckpt.is_file():
         ckpt.unlink()
     return TrainResult(path=out_dir, steps=cfg["steps"], train_tokens=n_tokens, data_seconds=data_s, train_seconds=train_s,

@@ -211,8 +211,16 @@ def _check_model_source(model: Mapping) -> None:
             )
 
 
-def config_json(config: Mapping, *sections: str) -> str:
-    """The named top-level sections as canonical JSON (for ``ogspo <stage> --config-json``).
+def config_json(config: Mapping, *sections: str, omit: tuple[str, ...] = ()) -> str:
+    """The named top-level sections as canonical JSON (for ``ogspo <stage> --config-json``), less the
+    dotted keys in `omit` (a later stage's settings kept inside an earlier stage's section).
 
     Snakemake rules pass this as a param, so a stage reruns exactly when its sections change."""
-    return json.dumps({k: config[k] for k in sections}, sort_keys=True)
+    out = {k: copy.deepcopy(config[k]) for k in sections}
+    for key in omit:
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node.pop(last, None)
+    return json.dumps(out, sort_keys=True)

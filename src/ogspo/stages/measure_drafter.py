@@ -1,8 +1,9 @@
-"""Stage `measure_drafter`: acceptance of the trained head on held-out `eval` prompts.
+"""Stage `measure_drafter`: acceptance of the trained heads on held-out `eval` prompts.
 
 Per workload and temperature, side by side and interleaved prompt by prompt: the autoregressive
-target, a chain (top-1 acceptance per depth) and EAGLE-3 dynamic trees of several sizes (tau,
-bonus included, and complete-request throughput)."""
+target, and for every head (the train_drafter head and its GTO fine-tune) a chain (top-1 acceptance
+per depth) and EAGLE-3 dynamic trees of several sizes (tau, bonus included, and complete-request
+throughput)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class MethodFigures:
     workload: str
     temperature: float
     method: str
+    head: str  # which head drafted ("" for the autoregressive target)
     tau: float  # mean committed tokens per cycle, bonus included
     throughput: float  # median complete-request tokens/s over prompts
     speedup: float  # median per-prompt throughput ratio to the autoregressive target
@@ -44,8 +46,9 @@ class MeasureResult:
     prompts_per_workload: int = 0
     max_new_tokens: int = 0
 
-    def best_tree(self, workload: str, temperature: float) -> MethodFigures:
-        rows = [f for f in self.figures if f.workload == workload and f.temperature == temperature and f.method.startswith("eagle")]
+    def best_tree(self, workload: str, temperature: float, head: str) -> MethodFigures:
+        rows = [f for f in self.figures if f.workload == workload and f.temperature == temperature and f.head == head
+                and f.method.startswith("eagle")]
         return max(rows, key=lambda f: f.tau)
 
 
@@ -85,7 +88,7 @@ def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: i
 def measure_drafter(
     *,
     model_dir: Path,
-    drafter_dir: Path,
+    drafter_dirs: dict[str, Path],
     workloads_dir: Path,
     prompts_per_workload: int = 8,
     max_new_tokens: int = 96,
@@ -96,31 +99,35 @@ def measure_drafter(
     kernels=None,
     device: str = "cpu",
 ) -> MeasureResult:
-    """Acceptance and speed of the trained head on held-out prompts, on `device`."""
+    """Acceptance and speed of each trained head (label -> drafter folder) on held-out prompts, on
+    `device`: every head runs the same policies on the same prompts, interleaved prompt by prompt."""
     t_start = time.perf_counter()
     model, tok = load_target(model_dir, device=device)
-    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=drafter_dir, target_checksum=model_checksum(model_dir))
-    target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
+    checksum = model_checksum(model_dir)
+    drafters = {label: make_drafter("eagle", target_model=model, max_len=2048, path=path, target_checksum=checksum)
+                for label, path in drafter_dirs.items()}
+    first_drafter = next(iter(drafters.values()))
+    target = make_target(model, max_len=2048, drafter=first_drafter, kernels=kernels)
     prompts = eval_prompts(workloads_dir, tok, prompts_per_workload)
-    policies = [Autoregressive(), chain(chain_depth)] + [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
+    tree_policies = [chain(chain_depth)] + [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
+    runs = [("", Autoregressive(), None)] + [(label, p, d) for label, d in drafters.items() for p in tree_policies]
     figures = []
     total = len(temperatures) * sum(len(v) for v in prompts.values())
     bar = tqdm(total=total, desc="measure drafter", unit="prompt")
     for temp in temperatures:
-        engines = [SpeculativeEngine(target=target, policy=p, drafter=None if p.max_nodes == 1 else drafter,
-                                     temperature=temp, eos_token_id=tok.eos_token_id) for p in policies]
+        engines = [SpeculativeEngine(target=target, policy=p, drafter=d, temperature=temp, eos_token_id=tok.eos_token_id)
+                   for _, p, d in runs]
         for workload, plist in prompts.items():
-            acc: dict[str, dict] = {p.name: {"tps": [], "cycles": [], "tokens": 0} for p in policies}
+            acc: list[dict] = [{"tps": [], "cycles": [], "tokens": 0} for _ in runs]
             for i, prompt in enumerate(plist):
-                for p, eng in zip(policies, engines):
+                for a, eng in zip(acc, engines):
                     res = eng.generate(prompt, max_new_tokens=max_new_tokens, seed=seed + i)
-                    acc[p.name]["tps"].append(res.throughput)
-                    acc[p.name]["cycles"].extend(c.accepted for c in res.cycles)
-                    acc[p.name]["tokens"] += len(res.tokens)
+                    a["tps"].append(res.throughput)
+                    a["cycles"].extend(c.accepted for c in res.cycles)
+                    a["tokens"] += len(res.tokens)
                 bar.update(1)
-            base = np.array(acc["ar"]["tps"])
-            for p in policies:
-                a = acc[p.name]
+            base = np.array(acc[0]["tps"])
+            for (label, p, _), a in zip(runs, acc):
                 cyc = np.array(a["cycles"]) - 1  # drafted tokens accepted per cycle
                 by_depth = []
                 if p.name.startswith("chain") and len(cyc):
@@ -128,7 +135,7 @@ def measure_drafter(
                         reach = (cyc >= d - 1).sum()
                         by_depth.append(float((cyc >= d).sum() / reach) if reach else 0.0)
                 figures.append(MethodFigures(
-                    workload=workload, temperature=temp, method=p.name,
+                    workload=workload, temperature=temp, method=p.name, head=label,
                     tau=float(np.mean(a["cycles"])) if a["cycles"] else 1.0,
                     throughput=float(np.median(a["tps"])),
                     speedup=float(np.median(np.array(a["tps"]) / base)),
@@ -136,7 +143,7 @@ def measure_drafter(
                 ))
     bar.close()
     first = next(iter(prompts.values()))[0]
-    expand_ms = time_expand(drafter, first, target)
+    expand_ms = time_expand(first_drafter, first, target)
     return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
                          prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens)
 
@@ -149,10 +156,12 @@ def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
 
 
 def render_markdown(result: MeasureResult) -> str:
-    lines = ["| workload | T | method | tau | tokens/s | speedup vs ar | top-1 acceptance by depth |", "|---|---:|---|---:|---:|---:|---|"]
+    lines = ["| workload | T | method | head | tau | tokens/s | speedup vs ar | top-1 acceptance by depth |",
+             "|---|---:|---|---|---:|---:|---:|---|"]
     for f in result.figures:
         depth = ", ".join(f"{a:.2f}" for a in f.accept_by_depth)
-        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.tau:.2f} | {f.throughput:.1f} | {f.speedup:.2f}x | {depth} |")
+        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.head or '-'} | {f.tau:.2f} | {f.throughput:.1f} "
+                     f"| {f.speedup:.2f}x | {depth} |")
     lines += ["", "One head level over w frontier nodes (median ms): "
               + ", ".join(f"w={w}: {ms:.1f}" for w, ms in result.expand_ms.items()), ""]
     return "\n".join(lines)

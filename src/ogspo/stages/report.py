@@ -291,6 +291,37 @@ def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], loss
     return "\n".join(lines)
 
 
+def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
+    """The draft heads side by side (stage measure_drafter, same eval prompts, interleaved): top-1
+    acceptance by depth of a chain, the best EAGLE-3 tree's tau and its speedup, per head; and each
+    head's training figures (held-out TTT top-1; GTO's held-out Draft Tree Reward before and after)."""
+    figs = acceptance.get("figures", [])
+    heads = list(dict.fromkeys(f["head"] for f in figs if f.get("head")))
+    lines = ["## Draft heads (stage measure_drafter: held-out eval prompts, heads interleaved prompt by prompt)", "",
+             "| workload | T | head | chain acceptance by depth | best tree | tau | speedup vs ar |",
+             "|---|---:|---|---|---|---:|---:|"]
+    keys = list(dict.fromkeys((f["workload"], f["temperature"]) for f in figs))
+    for w, t in keys:
+        for h in heads:
+            mine = [f for f in figs if f["workload"] == w and f["temperature"] == t and f.get("head") == h]
+            chain_ = next((f for f in mine if f["method"].startswith("chain")), None)
+            trees = [f for f in mine if f["method"].startswith("eagle")]
+            best = max(trees, key=lambda f: f["tau"]) if trees else None
+            acc = ", ".join(f"{a:.2f}" for a in chain_["accept_by_depth"]) if chain_ else "-"
+            lines.append(f"| {w} | {t:g} | {h} | {acc} | {best['method'] if best else '-'} | "
+                         f"{_fmt(best['tau'] if best else None)} | {_fmt(best['speedup'] if best else None)}x |")
+    for h, meta in metas.items():
+        top1 = [round(a, 3) for a in meta.get("metrics", {}).get("val_top1", [])]
+        text = f"- {h}: held-out TTT top-1 {top1}"
+        g = meta.get("gto_metrics")
+        if g:
+            text += (f"; GTO {g['steps']} steps ({g['seconds'] / 60:.1f} min), held-out Draft Tree Reward "
+                     f"{g['reward_before']:.3f} -> {g['reward_after']:.3f}, accepted tokens per tree "
+                     f"{g['accepted_before']:.3f} -> {g['accepted_after']:.3f}")
+        lines.append(text)
+    return lines + [""]
+
+
 def limiting_factors(rows: list[dict], *, latency_doc: dict | None, structures: Mapping[str, list]) -> list[str]:
     """Data-driven statements about what bounds the speedup on this device."""
     out = []
@@ -344,10 +375,13 @@ def write_report(
     records_summary: Path | None = None,
     structures: Mapping[str, Path] | None = None,
     rounds: Mapping[str, Path] | None = None,
+    drafter_eval: Path | None = None,
+    heads: Mapping[str, Path] | None = None,
 ) -> ReportResult:
     """report/summary.json, report/report.md and the plots. `structures` and `rounds` map a temperature
     tag (T0, T1) to policy/T*/structure.json and rounds/T*/rounds.parquet; absent rounds files leave
-    the rounds plot out (said in report.md)."""
+    the rounds plot out (said in report.md). `drafter_eval` (drafter_eval/acceptance.json) and `heads`
+    (label -> drafter folder) add the draft heads side by side."""
 
     out_dir = Path(out_dir)
     ev = _read_json(evaluate_summary, "evaluation summary")
@@ -400,6 +434,9 @@ def write_report(
     summary_path = out_dir / "summary.json"
     md_path = out_dir / "report.md"
     md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned)
+    if drafter_eval is not None:
+        metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") for h, d in (heads or {}).items()}
+        md += "\n" + "\n".join(render_heads(_read_json(drafter_eval, "drafter acceptance"), metas))
     for path, text in ((summary_path, json.dumps(doc, indent=1) + "\n"), (md_path, md)):
         write_text(path, text)
     return ReportResult(summary_path=summary_path, markdown_path=md_path, plots=plots, missing=missing, ratios=ratios)
