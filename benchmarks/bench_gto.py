@@ -33,6 +33,7 @@ from benchdoc import REPO, cpu_model, write_section  # noqa: E402
 from ogspo.artifacts.settings import default_settings  # noqa: E402
 from ogspo.drafter.train_gto import train_gto  # noqa: E402
 from ogspo.engine.decode import SpeculativeEngine  # noqa: E402
+from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.engine.policies import Autoregressive, DynamicTree  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
 from ogspo.stages.evaluate import load_prompts, rotated_order, slot_seed, tune_eagle  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> int:
     ap.add_argument("--drafter", type=Path, default=res / "drafter", help="the train_drafter head")
     ap.add_argument("--work", type=Path, default=res / "work" / "drafter", help="train_drafter's data cache")
     ap.add_argument("--workloads", type=Path, default=res / "workloads")
+    ap.add_argument("--kernels", type=Path, default=res / "kernels" / "kernels.json", help="the device's kernel table")
     ap.add_argument("--out", type=Path, default=res / "bench_gto")
     ap.add_argument("--steps", type=int, default=0, help="GTO steps (0 = drafter.gto.steps)")
     ap.add_argument("--retrain", action="store_true")
@@ -85,9 +87,12 @@ def main() -> int:
     ap.add_argument("--tree", default="32,6,4", help="EAGLE-3 dynamic tree total_tokens,depth,top_k for the tau comparison")
     ap.add_argument("--tune-prompts", type=int, default=3, help="calib prompts per workload for tuning")
     ap.add_argument("--grid", default="1,1,1 2,1,2 2,2,1 3,2,2 4,3,2 6,3,2")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--tau-only", action="store_true", help="skip the tuned EAGLE-3 speed comparison")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     tree = tuple(int(x) for x in args.tree.split(","))
+    temps = tuple(float(t) for t in args.temperatures.split(","))
     grid = [[int(x) for x in g.split(",")] for g in args.grid.split()]
 
     torch.manual_seed(0)
@@ -99,14 +104,14 @@ def main() -> int:
 
     checksum = model_checksum(args.model)
     drafters = {h: make_drafter("eagle", target_model=model, max_len=2048, path=heads[h], target_checksum=checksum) for h in HEADS}
-    target = make_target(model, max_len=2048, drafter=drafters["base"])
+    target = make_target(model, max_len=2048, drafter=drafters["base"], kernels=read_kernel_table(args.kernels))
     files = sorted(args.workloads.glob("*.parquet"))
     evals = load_prompts(files, tok, split="eval", n=args.prompts)
     calib = load_prompts(files, tok, split="calib", n=args.tune_prompts)
 
     t0 = time.perf_counter()
     taus: dict[float, dict[str, dict[str, list[float]]]] = {}
-    for temp in (0.0, 1.0):
+    for temp in temps:
         engines = {h: SpeculativeEngine(target=target, policy=DynamicTree(total_tokens=tree[0], depth=tree[1], top_k=tree[2]),
                                         drafter=drafters[h], temperature=temp, eos_token_id=tok.eos_token_id) for h in HEADS}
         taus[temp] = {w: {h: [] for h in HEADS} for w in evals}
@@ -119,14 +124,16 @@ def main() -> int:
                     taus[temp][w][h].append(r.tau)
                 slot += 1
     tau_s = time.perf_counter() - t0
+    print(f"tau measured in {tau_s / 60:.1f} min", file=sys.stderr)
 
     t1 = time.perf_counter()
     tuned: dict[float, dict[str, dict[str, list[int]]]] = {}
     speed: dict[float, dict[str, dict[str, list[float]]]] = {}
-    for temp in (0.0, 1.0):
+    for temp in () if args.tau_only else temps:
         tuned[temp] = {h: tune_eagle(target=target, drafter=drafters[h], prompts=calib, grid=grid, temperature=temp,
                                      max_new_tokens=args.tokens, seed=0, eos_token_id=tok.eos_token_id).winners
                        for h in ("base", "gto")}
+        print(f"T={temp:g} tuned trees: {tuned[temp]}", file=sys.stderr)
         speed[temp] = {w: {m: [] for m in ("ar", "base", "gto")} for w in evals}
         slot = 0
         for w, plist in evals.items():
@@ -152,6 +159,7 @@ def main() -> int:
         "",
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
         f"- reproduce: `{cmd.strip()}` (after `make run` has trained the base head and cached its data)",
+        f"- decoding with the kernel table {args.kernels.relative_to(REPO) if args.kernels.is_relative_to(REPO) else args.kernels}",
         f"- base head: {metas['base']['train']['steps']} steps; held-out TTT top-1 {[round(a, 3) for a in metas['base']['metrics']['val_top1']]}",
         f"- fine-tuning from it, {gcfg['steps']} steps each, lr {gcfg['lr']}, token batch {gcfg['batch_size']} windows, "
         f"{gcfg['groups']} group(s) of m = {gcfg['group']} positions per step, trees {gcfg['tree']} [total_tokens, depth, top_k], "
@@ -182,7 +190,7 @@ def main() -> int:
                          f"| {fmt(paired(rc))} | {fmt(paired(rb))} |")
         summary[temp] = (paired(all_c), paired(all_b))
         lines.append(f"| {temp:g} | **all** | | | | **{fmt(summary[temp][0])}** | {fmt(summary[temp][1])} |")
-    lines += ["", f"Tuned EAGLE-3 per head (grid {grid} on {args.tune_prompts} calib prompts per workload), then on the eval "
+    lines += [] if args.tau_only else ["", f"Tuned EAGLE-3 per head (grid {grid} on {args.tune_prompts} calib prompts per workload), then on the eval "
               f"prompts beside autoregressive decoding, interleaved; {speed_s / 60:.1f} min. Median tokens/s and mean "
               "per-request throughput ratio [95%]:", "",
               "| T | workload | tuned tree base | tuned tree GTO | ar | base | GTO | GTO / base |", "|---:|---|---|---|---:|---:|---:|---:|"]

@@ -37,7 +37,7 @@ rule train_gto:
     output:
         directory(f"{RESULTS}/drafter_gto"),
     params:
-        config=config_json(config, "drafter", "seed", "workloads", "torch_device", omit=("drafter.gto.enabled",)),
+        config=config_json(config, "drafter", "seed", "workloads", "torch_device"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
         work_dir=f"{RESULTS}/work/drafter",
     log:

@@ -161,7 +161,8 @@ def _dry_run_resources(stdout: str) -> dict[str, list[dict[str, str]]]:
 
 def test_cluster_profile_asks_a_gpu_for_every_model_rule_and_none_for_the_others(tmp_path):
     fresh = tmp_path / "fresh.yaml"
-    fresh.write_text(f"device: dry-{tmp_path.name}\n")  # no results yet: every rule is planned
+    # no results yet: every rule is planned (train_gto too, with the GTO head on)
+    fresh.write_text(f"device: dry-{tmp_path.name}\ndrafter: {{gto: {{enabled: true}}}}\n")
     proc = _snakemake("--profile", "cluster", "-n", "--configfile", str(fresh))
     assert proc.returncode == 0, proc.stderr
     jobs = _dry_run_resources(proc.stdout)

@@ -37,5 +37,10 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
             for key in ("throughput", "tau", "speedup", "vs_eagle_tuned", "predicted_throughput", "time_split"):
                 assert row[key] is not None, (row["method"], key)
         assert (out / "report" / "report.md").is_file() and (out / "report" / "throughput.png").is_file()
+        # the GTO head decodes every later stage; the report shows it beside the train_drafter head
+        gto = json.loads((out / "drafter_gto" / "drafter.json").read_text())
+        assert gto["gto_metrics"]["steps"] == 4 and "base" in (out / "logs" / "measure_drafter.log").read_text()
+        md = (out / "report" / "report.md").read_text()
+        assert "## Draft heads" in md and " | base | " in md and " | gto | " in md and "Draft Tree Reward" in md
     finally:
         shutil.rmtree(out, ignore_errors=True)
