@@ -341,6 +341,11 @@ def _run_summarize_records(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- drafter
 
 
+def _fortunes_dir(cfg: dict) -> str | None:
+    """The fortunes folder the drafter's extra training prompts come from (None without that workload)."""
+    return (cfg["workloads"].get("fortunes") or {}).get("dir")
+
+
 def _add_train_drafter(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
@@ -352,9 +357,8 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
 def _run_train_drafter(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
-    fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
     r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
-                          fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
+                          fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
     print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
           f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
     return 0
@@ -372,9 +376,8 @@ def _add_train_gto(p: argparse.ArgumentParser) -> None:
 def _run_train_gto(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
-    fortunes_dir = (cfg["workloads"].get("fortunes") or {}).get("dir")
     r = run_train_gto(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads, out_dir=args.out,
-                      work_dir=args.work, fortunes_dir=fortunes_dir, config=cfg["drafter"], seed=cfg["seed"],
+                      work_dir=args.work, fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"],
                       device=cfg["torch_device"])
     print(f"GTO: {r.steps} steps in {r.seconds:.0f} s; held-out Draft Tree Reward {r.reward_before:.3f} -> {r.reward_after:.3f}, "
           f"accepted tokens per tree {r.accepted_before:.3f} -> {r.accepted_after:.3f} -> {args.out}")

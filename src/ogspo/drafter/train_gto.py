@@ -101,7 +101,7 @@ def score_group(lm: TreeLM, seq: Sequence, s: int, trees: list[list[DraftTree]],
     tokens = [seq.tokens[s + 1 : s + 1 + m].long().numpy()]
     parents = [np.arange(-1, m - 1)]
     depths = [np.arange(m)]
-    spans = []  # (first row, tree) of each tree's drafted nodes
+    spans = []  # (root position i, first row of its drafted nodes, tree) of each tree
     n = m
     for i, per_head in enumerate(trees):
         for t in per_head:
@@ -110,7 +110,7 @@ def score_group(lm: TreeLM, seq: Sequence, s: int, trees: list[list[DraftTree]],
             tokens.append(t.tokens[1:])
             parents.append(par)
             depths.append(i + t.depths[1:])
-            spans.append((n, t))
+            spans.append((i, n, t))
             n += k
     tok = np.concatenate(tokens)
     par = np.concatenate(parents)
@@ -124,7 +124,7 @@ def score_group(lm: TreeLM, seq: Sequence, s: int, trees: list[list[DraftTree]],
     best = logits.argmax(-1).cpu().numpy()  # [n]
     lm.cache.commit(torch.arange(start, start + m, device=dev))  # keep the spine
     scored: list[list[ScoredTree]] = [[] for _ in range(m)]
-    for (first, t), i in zip(spans, np.repeat(np.arange(m), [len(h) for h in trees])):
+    for i, first, t in spans:
         rows = np.concatenate([[i], first + np.arange(len(t) - 1)])  # row of every node of t, root = spine i
         prow = rows[t.parents[1:]]  # row of each drafted node's parent
         p = np.ones(len(t))

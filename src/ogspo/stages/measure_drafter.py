@@ -46,11 +46,6 @@ class MeasureResult:
     prompts_per_workload: int = 0
     max_new_tokens: int = 0
 
-    def best_tree(self, workload: str, temperature: float, head: str) -> MethodFigures:
-        rows = [f for f in self.figures if f.workload == workload and f.temperature == temperature and f.head == head
-                and f.method.startswith("eagle")]
-        return max(rows, key=lambda f: f.tau)
-
 
 def eval_prompts(workloads_dir: Path, tokenizer, n: int) -> dict[str, list[list[int]]]:
     out = {}
