@@ -184,7 +184,7 @@ def test_tune_eagle_picks_the_fastest_grid_point(models, tmp_path):
 def test_bad_method_config_gives_one_clear_line():
     with pytest.raises(ValueError, match="must include 'ar'"):
         method_specs(methods=["chain"], chains=[4], eagle_default=[60, 5, 10])
-    with pytest.raises(ValueError, match=r"unknown method 'eagel'; allowed: ar, chain, eagle-default"):
+    with pytest.raises(ValueError, match=r"unknown method 'eagel'; allowed: ar, ar-aa, chain, eagle-default"):
         method_specs(methods=["ar", "eagel"], chains=[4], eagle_default=[60, 5, 10])
     from ogspo.stages.config import ConfigError, load_config
 
@@ -221,7 +221,8 @@ def test_summary_of_synthetic_rows():
             rows.append({"workload": "w", "temperature": 0.0, "method": m, "prompt_id": str(pid), "repeat": 0,
                          "throughput": tp, "wall_seconds": 1.0, "prefill_seconds": 0.1, "draft_seconds": 0.2,
                          "policy_seconds": 0.05, "verify_seconds": 0.5, "other_seconds": 0.15, "cycles": 4, "tau": 2.0,
-                         "mean_tree_size": 3.0, "predicted_throughput": tp * 1.1, "lossless": "identical"})
+                         "mean_tree_size": 3.0, "predicted_throughput": tp * 1.1, "new_tokens": int(tp),
+                         "predicted_seconds": 1.0 / 1.1, "lossless": "identical"})
     out = summarize_requests(pl.DataFrame(rows), oracle={"T0": 33.0})
     og = next(r for r in out if r["method"] == "ogspo")
     assert og["throughput"] == 20.0 and og["throughput_min"] == 15.0 and og["throughput_max"] == 30.0
@@ -229,6 +230,12 @@ def test_summary_of_synthetic_rows():
     assert og["vs_eagle_tuned"] == pytest.approx(1.25)  # median of 1.25, 1.5, 0.8
     assert og["predicted_over_realised"] == pytest.approx(1.1) and og["oracle_throughput"] == 33.0
     assert og["time_split"]["verify"] == pytest.approx(0.5)
+    # geometric means of the paired ratios; the best baseline is the faster of ar and eagle-tuned (geometric mean)
+    assert og["speedup_gm"]["ratio"] == pytest.approx((1.5 * 1.5 * 2.0) ** (1 / 3))
+    assert og["best_baseline"] == "eagle-tuned"
+    assert og["vs_best"]["ratio"] == pytest.approx((1.25 * 1.5 * 0.8) ** (1 / 3))
+    assert og["vs_best"]["low"] <= og["vs_best"]["ratio"] <= og["vs_best"]["high"]
+    assert og["latency_p50"] == 1.0 and og["ttft_p50"] == pytest.approx(0.1)
 
 
 def _synthetic_requests() -> pl.DataFrame:
@@ -245,6 +252,7 @@ def _synthetic_requests() -> pl.DataFrame:
                         "policy_seconds": 0.02 if m == "ogspo" else 0.0, "verify_seconds": 1.0, "other_seconds": 0.1,
                         "cycles": 20, "tau": 2.4 if m != "ar" else 1.0, "mean_tree_size": 0.0 if m == "ar" else 5.0,
                         "predicted_throughput": tp * 1.05, "lossless": "n/a" if m == "ar" or t else "identical",
+                        "new_tokens": 48, "predicted_seconds": 48 / (tp * 1.05),
                     })
     return pl.DataFrame(rows)
 

@@ -615,6 +615,9 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
     ev = cfg["evaluate"]
     specs = method_specs(methods=ev["methods"], chains=ev["chains"], eagle_default=ev["eagle_default"])
+    light = [m for m in ev["light_methods"] if m not in ev["methods"]]
+    if light:
+        raise ValueError(f"evaluate.light_methods has '{light[0]}', which is not in evaluate.methods {ev['methods']}")
     artifacts = _key_paths(args.artifact, "--artifact", ARTIFACT_KINDS)
     lacking = sorted({s.kind for s in specs if s.kind in ARTIFACT_KINDS} - set(artifacts))
     if lacking:
@@ -631,6 +634,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
         max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
         latency=latency, oracle=oracle, eos_token_id=tok.eos_token_id, policy_device=cfg["torch_device"],
+        light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
         progress=lambda line: print(line, flush=True),
     )
     write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)

@@ -80,7 +80,7 @@ def make_target(
 
 # Method kinds of `evaluate.methods`; `chain` expands to one method per `evaluate.chains` entry.
 EVAL_METHODS = (
-    "ar", "chain", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy",
+    "ar", "ar-aa", "chain", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy",
 )
 
 
@@ -89,6 +89,10 @@ ARTIFACT_KINDS = ("eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure
 
 
 REFERENCE = "ar"
+
+
+# The A/A check: autoregressive decoding again, as a method of its own; its ratio to `ar` must contain 1.00.
+AA_CHECK = "ar-aa"
 
 
 TUNED = "eagle-tuned"

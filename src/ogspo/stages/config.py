@@ -41,6 +41,9 @@ def load_schema(path: Path | None = None) -> dict:
     methods = evaluate["properties"]["methods"]
     methods["items"] = {"enum": list(EVAL_METHODS)}
     methods["x-error"] = "must be a list of distinct methods that includes ar (the reference); allowed: " + ", ".join(EVAL_METHODS)
+    light = evaluate["properties"]["light_methods"]
+    light["items"] = {"enum": [m for m in EVAL_METHODS if m != "ar"]}
+    light["x-error"] = "must be a list of distinct method kinds other than ar; allowed: " + ", ".join(m for m in EVAL_METHODS if m != "ar")
     return schema
 
 

@@ -33,7 +33,8 @@ from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.ogspo import OgspoTree
-from ogspo.methods.registry import EVAL_METHODS, REFERENCE, TUNED, make_policy
+from ogspo.methods.registry import AA_CHECK, EVAL_METHODS, REFERENCE, TUNED, make_policy
+from ogspo.stages.compare import best_baselines, intervals_json, ratio_intervals
 
 
 class LosslessError(ValueError):
@@ -119,8 +120,8 @@ def build_policy(
     """The tree policy of one method at one temperature and workload; artifact paths are templates
     with `{T}` (temperature tag)."""
 
-    if spec.kind == "ar":
-        return Autoregressive()
+    if spec.kind in (REFERENCE, AA_CHECK):
+        return Autoregressive(name=spec.name)
     if spec.kind == "chain":
         return chain(spec.k)
     if spec.kind == "eagle-default":
@@ -134,6 +135,8 @@ def build_policy(
         if workload not in winners:
             raise ValueError(f"{path} has no tuned EAGLE-3 tree for workload '{workload}' (has {', '.join(sorted(winners))})")
         total, depth, top_k = winners[workload]
+        if total == 0:  # "do not speculate" won the tuning
+            return Autoregressive(name=spec.name)
         return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
     if spec.kind in ("sequoia", "ogspo-structure"):
         return _structure_or_ar(path, spec.name)
@@ -302,16 +305,24 @@ def evaluate_methods(
     eos_token_id: int | None = None,
     policy_device: str = "cpu",
     tie_margin: float = 1e-4,
+    light_methods: tuple[str, ...] = (),
+    light_prompts: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> EvaluateResult:
     """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
-    by request in rotated order. `reference_model` (an HF causal LM, default `target.hf_model`) tells
-    near-ties from real mismatches at T=0; a real mismatch raises `LosslessError` at once. One function
-    on purpose (~80 lines): the interleaved loop, its rotation and the lossless check share each slot's state."""
+    by request in rotated order. Methods whose kind is in `light_methods` run on the first
+    `light_prompts` prompts of each workload only (the rotation covers the methods of each slot).
+    Before a slot's methods run, the prompt is prefilled once untimed, so the slot's first method
+    does not pay for the new prompt's shapes. `reference_model` (an HF causal LM, default
+    `target.hf_model`) tells near-ties from real mismatches at T=0; a real mismatch raises
+    `LosslessError` at once. One function on purpose (~90 lines): the interleaved loop, its rotation
+    and the lossless check share each slot's state."""
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats} and {max_new_tokens}")
     if REFERENCE not in {m.kind for m in methods}:
         raise ValueError("the evaluated methods must include 'ar' (the reference)")
+    if REFERENCE in light_methods:
+        raise ValueError("evaluate.light_methods cannot hold 'ar' (the reference runs on every prompt)")
     artifacts = dict(artifacts or {})
     ref_model = reference_model if reference_model is not None else getattr(target, "hf_model", None)
     t_start = time.perf_counter()
@@ -332,15 +343,19 @@ def evaluate_methods(
                     providers[f"{spec.name}/{tag}/{workload}"] = {"provider": pol.hook.providers[0],
                                                                   "seconds_per_call": pol.hook.provider_seconds}
                 if spec.kind == TUNED:
-                    tuned.setdefault(tag, {})[workload] = [pol.total_tokens, pol.max_depth, pol.top_k]
+                    tuned.setdefault(tag, {})[workload] = (
+                        [pol.total_tokens, pol.max_depth, pol.top_k] if isinstance(pol, DynamicTree) else [0, 0, 0])
                 engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp,
                                                   eos_token_id=eos_token_id))
+            ref_engine = next(me for me in engines if me.spec.kind == REFERENCE)
             for repeat in range(repeats):
-                for prompt_id, prompt in plist:
+                for index, (prompt_id, prompt) in enumerate(plist):
                     rseed = slot_seed(seed, workload, prompt_id, repeat)
+                    here = [me for me in engines if me.spec.kind not in light_methods or index < light_prompts]
+                    ref_engine.engine.target.prefill(prompt)  # untimed: the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
-                    for pos, j in enumerate(rotated_order(len(engines), slot)):
-                        me = engines[j]
+                    for pos, j in enumerate(rotated_order(len(here), slot)):
+                        me = here[j]
                         res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency)
                         out[me.spec.name] = RequestRow(
                             workload=workload, temperature=float(temp), method=me.spec.name, prompt_id=str(prompt_id),
@@ -354,10 +369,10 @@ def evaluate_methods(
                     if float(temp) == 0.0:
                         checked += _check_lossless(out, ref_name, prompt, workload=workload, prompt_id=str(prompt_id),
                                                    repeat=repeat, ref_model=ref_model, tie_margin=tie_margin, near=near)
-                    rows.extend(out[m.name] for m in methods)
+                    rows.extend(out[me.spec.name] for me in here)
                     if progress:
                         progress(f"{tag} {workload} {prompt_id} r{repeat}: " + ", ".join(
-                            f"{m.name} {out[m.name].throughput:.1f}" for m in methods))
+                            f"{me.spec.name} {out[me.spec.name].throughput:.1f}" for me in here))
     frame = requests_frame(rows)
     oracle = {k: float(v) for k, v in (oracle or {}).items()}
     return EvaluateResult(
@@ -365,6 +380,7 @@ def evaluate_methods(
         tuned=tuned, seconds=time.perf_counter() - t_start,
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
+                  "light_methods": list(light_methods), "light_prompts": light_prompts,
                   "prompts": {w: [p for p, _ in v] for w, v in prompts.items()}},
     )
 
@@ -415,17 +431,29 @@ def _paired_ratio(df: pl.DataFrame, method: str, baseline: str) -> np.ndarray:
     return (j["throughput"] / j["base"]).to_numpy()
 
 
+BASELINES = (REFERENCE, TUNED)  # the best of these per cell is what a user would otherwise run
+
+
 def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None = None,
                        reference: str = REFERENCE, baseline: str = TUNED) -> list[dict]:
     """One row per method x workload x temperature: medians and spreads (IQR and min/max) of
     throughput, tau, paired speedup over `reference` and ratio to `baseline` (medians of per-request
-    ratios), surrogate-predicted throughput, oracle bound and time split (shares of wall time)."""
+    ratios), the geometric means of the paired ratios to `reference`, to `baseline` and to the cell's
+    best baseline (`stages.compare`) with 95% bootstrap intervals, time to first token and request
+    latency percentiles, surrogate-predicted throughput, oracle bound and time split (shares of wall time)."""
     oracle = oracle or {}
     out = []
     if df.height == 0:
         return out
     methods = list(dict.fromkeys(df["method"].to_list()))
+    best = best_baselines(df, BASELINES)
+    best_of = {(w, float(t)): b for w, t, b in best.iter_rows()}
+    present = set(methods)
+    gm = {m: {"vs_ar": ratio_intervals(df, m, reference)["cells"] if reference in present else {},
+              "vs_tuned": ratio_intervals(df, m, baseline)["cells"] if baseline in present else {},
+              "vs_best": ratio_intervals(df, m, best)["cells"] if best.height else {}} for m in methods}
     for (workload, temp), g in df.group_by(["workload", "temperature"], maintain_order=True):
+        cell = (workload, float(temp))
         for m in methods:
             r = g.filter(pl.col("method") == m)
             if r.height == 0:
@@ -442,6 +470,12 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
             pred = pred[np.isfinite(pred)]
             ratio = (r["predicted_throughput"] / r["throughput"]).to_numpy()
             ratio = ratio[np.isfinite(ratio)]
+            lat = r["wall_seconds"].to_numpy()
+            # cycles only (prefill out), sum of tokens / sum of seconds as J is: realised and in the latency model's units
+            after_first = float((r["new_tokens"] - 1).sum())
+            cyc_s = float((r["wall_seconds"] - r["prefill_seconds"]).sum())
+            cyc_pred = float((r["predicted_seconds"] - r["prefill_seconds"]).sum())
+            ivs = {k: gm[m][k].get(cell) for k in ("vs_ar", "vs_tuned", "vs_best")}
             out.append({
                 "method": m, "workload": workload, "temperature": float(temp), "n_requests": r.height,
                 "throughput": float(np.median(tps)), "throughput_q25": _q(tps, 0.25), "throughput_q75": _q(tps, 0.75),
@@ -450,6 +484,14 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
                 "speedup": float(np.median(speed)) if len(speed) else None,
                 "speedup_q25": _q(speed, 0.25) if len(speed) else None, "speedup_q75": _q(speed, 0.75) if len(speed) else None,
                 "vs_eagle_tuned": float(np.median(vs_tuned)) if len(vs_tuned) else None,
+                "speedup_gm": ivs["vs_ar"].to_dict() if ivs["vs_ar"] else None,
+                "vs_eagle_tuned_gm": ivs["vs_tuned"].to_dict() if ivs["vs_tuned"] else None,
+                "best_baseline": best_of.get(cell),
+                "vs_best": ivs["vs_best"].to_dict() if ivs["vs_best"] else None,
+                "ttft_p50": _q(r["prefill_seconds"].to_numpy(), 0.5),
+                "latency_p50": _q(lat, 0.5), "latency_p90": _q(lat, 0.9),
+                "cycles_throughput": after_first / cyc_s if cyc_s > 0 else None,
+                "predicted_cycles_throughput": after_first / cyc_pred if np.isfinite(cyc_pred) and cyc_pred > 0 else None,
                 "predicted_throughput": float(np.median(pred)) if len(pred) else None,
                 "predicted_over_realised": float(np.median(ratio)) if len(ratio) else None,
                 "oracle_throughput": oracle.get(temperature_tag(temp)),
@@ -457,6 +499,25 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
                 "identical": int((r["lossless"] == "identical").sum()),
                 "near_ties": int((r["lossless"] == "near-tie").sum()),
             })
+    return out
+
+
+def pooled_comparisons(df: pl.DataFrame, *, method: str, seed: int = 0) -> dict:
+    """Pooled (all cells) and per-temperature intervals of `method` against autoregressive decoding,
+    tuned EAGLE-3 and the best baseline per cell, and the A/A check (`ar-aa` against `ar`) when it ran."""
+    present = set(df["method"].to_list()) if df.height else set()
+    out: dict = {}
+    if method in present:
+        if REFERENCE in present:
+            out["vs_ar"] = intervals_json(ratio_intervals(df, method, REFERENCE, seed=seed))
+        if TUNED in present:
+            out["vs_eagle_tuned"] = intervals_json(ratio_intervals(df, method, TUNED, seed=seed))
+        best = best_baselines(df, BASELINES)
+        if best.height:
+            out["vs_best"] = intervals_json(ratio_intervals(df, method, best, seed=seed))
+            out["best_baselines"] = best.to_dicts()
+    if AA_CHECK in present and REFERENCE in present:
+        out["aa_check"] = intervals_json(ratio_intervals(df, AA_CHECK, REFERENCE, seed=seed))
     return out
 
 
@@ -499,16 +560,22 @@ def tune_eagle(
     progress: Callable[[str], None] | None = None,
 ) -> TuneResult:
     """Grid search of EAGLE-3 dynamic trees by real decoding (interleaved, rotated per prompt); per
-    workload the tree with the highest median throughput wins."""
+    workload the tree with the highest median throughput wins. A grid entry [0, 0, 0] is "do not
+    speculate" (autoregressive decoding), so the tuned baseline is never slower than AR on the tuning prompts."""
     if not grid:
         raise ValueError("evaluate.eagle_grid is empty: give [total_tokens, depth, top_k] triples")
     for g in grid:
-        if len(g) != 3 or min(g) < 1:
-            raise ValueError(f"evaluate.eagle_grid entry {g} is not [total_tokens, depth, top_k] with positive values")
+        if len(g) != 3 or not (min(g) >= 1 or list(g) == [0, 0, 0]):
+            raise ValueError(f"evaluate.eagle_grid entry {g} is not [total_tokens, depth, top_k] with positive values "
+                             "(or [0, 0, 0]: do not speculate)")
     t_start = time.perf_counter()
     trees = [tuple(int(x) for x in g) for g in grid]
+
+    def tree_policy(a: int, b: int, c: int) -> TreePolicy:
+        return Autoregressive(name="eagle0-0-0") if a == 0 else DynamicTree(total_tokens=a, depth=b, top_k=c)
+
     engines = [make_method_engine(MethodSpec(name=f"eagle{a}-{b}-{c}", kind="eagle-default", tree=(a, b, c)),
-                                  DynamicTree(total_tokens=a, depth=b, top_k=c), target=target, drafter=drafter,
+                                  tree_policy(a, b, c), target=target, drafter=drafter,
                                   temperature=temperature, eos_token_id=eos_token_id) for a, b, c in trees]
     points: list[TunePoint] = []
     winners: dict[str, list[int]] = {}

@@ -22,13 +22,13 @@ import polars as pl
 from ogspo.artifacts.io import json_safe, write_text
 from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
 from ogspo.artifacts.structure import load_structure
-from ogspo.methods.registry import REFERENCE, TUNED
+from ogspo.methods.registry import AA_CHECK, REFERENCE, TUNED
 from ogspo.stages.calibrate import plot_calibration
-from ogspo.stages.evaluate import summarize_requests, temperature_tag
+from ogspo.stages.evaluate import pooled_comparisons, summarize_requests, temperature_tag
 
 REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
                    "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",
-                   "tau", "mean_tree_size", "predicted_throughput", "lossless")
+                   "tau", "mean_tree_size", "predicted_throughput", "predicted_seconds", "new_tokens", "lossless")
 ROUNDS_COLUMNS = ("round", "surrogate_J", "oracle_bound", "same_trace_J", "corrected_J", "accepted", "structure_size")
 OGSPO = "ogspo"
 
@@ -234,8 +234,8 @@ def _fmt(x, spec=".2f", none="-") -> str:
 
 
 def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], lossless: dict, missing: list[str],
-                  plots: list[Path], limits: list[str], tuned: dict) -> str:
-    lines = ["# ogspo evaluation report", ""]
+                  plots: list[Path], limits: list[str], tuned: dict, comparison: list[str] = ()) -> str:
+    lines = ["# ogspo evaluation report", "", *comparison]
     temps = sorted({r["temperature"] for r in rows})
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -274,7 +274,8 @@ def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], loss
         lines += ["", "Tuned EAGLE-3 trees [total_tokens, depth, top_k] (rule tune_eagle, train prompts): "
                   + "; ".join(f"{tag} " + ", ".join(f"{w} {v}" for w, v in per.items()) for tag, per in tuned.items())]
     near = lossless.get("near_ties", [])
-    lines += ["", "## Lossless check (T=0, every method against autoregressive decoding)", "",
+    lines += [""] + render_latency(rows)
+    lines += ["## Lossless check (T=0, every method against autoregressive decoding)", "",
               f"{lossless.get('checked', 0)} requests compared, {lossless.get('mismatches', 0)} real mismatches "
               f"(a mismatch stops the evaluation), {len(near)} float near-ties (top-2 logit margin < 1e-4):"]
     lines += [f"- {n['method']} on {n['workload']} prompt {n['prompt_id']} (repeat {n['repeat']}): token {n['token']}, "
@@ -289,6 +290,109 @@ def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], loss
               "the latency model's units (cycles only, no prefill), so it is a reference, not a paired figure. The "
               "stop policy's time is measured around the stop hook and taken out of 'other'.", ""]
     return "\n".join(lines)
+
+
+def _iv(d: dict | None) -> str:
+    return "-" if not d else f"{d['ratio']:.3f} [{d['low']:.3f}, {d['high']:.3f}]"
+
+
+STATIC_TREES = ("sequoia", "ogspo-structure")  # static trees of the records template (the oracle's reference)
+WANTED_GAIN = 1.10  # the acceptance bar: OGSPO / best baseline where the oracle bound allows it
+
+
+def gain_statements(rows: list[dict], method: str = OGSPO) -> list[dict]:
+    """Per workload and temperature: `method` against the best baseline (with its interval), the oracle
+    bound in the same units (latency model, cycles only: the bound is scaled by the best baseline's
+    realised / predicted throughput), and the share of the oracle's gain over the best static tree
+    that the policy captures (all in the latency model's units, over the cycles each method ran)."""
+    out = []
+    cells = list(dict.fromkeys((r["workload"], r["temperature"]) for r in rows))
+    for w, t in cells:
+        at = {r["method"]: r for r in rows if r["workload"] == w and r["temperature"] == t}
+        me = at.get(method)
+        if me is None or me.get("best_baseline") not in at:
+            continue
+        base = at[me["best_baseline"]]
+        oracle = me.get("oracle_throughput")
+        pred_base = base.get("predicted_cycles_throughput")
+        bound_vs_best = oracle / pred_base if oracle and pred_base else None
+        bound_realised = (oracle * base["cycles_throughput"] / pred_base
+                          if oracle and pred_base and base.get("cycles_throughput") else None)
+        statics = [at[m]["predicted_cycles_throughput"] for m in at
+                   if (m in STATIC_TREES or m.startswith("chain")) and at[m].get("predicted_cycles_throughput")]
+        static = max(statics) if statics else None
+        pred_me = me.get("predicted_cycles_throughput")
+        share = ((pred_me - static) / (oracle - static)
+                 if oracle and static and pred_me and oracle > static else None)
+        out.append({"workload": w, "temperature": t, "best_baseline": me["best_baseline"], "vs_best": me.get("vs_best"),
+                    "vs_ar": me.get("speedup_gm"), "oracle_vs_best": bound_vs_best,
+                    "oracle_realised_cycles_throughput": bound_realised,
+                    "cycles_throughput": me.get("cycles_throughput"),
+                    "best_cycles_throughput": base.get("cycles_throughput"),
+                    "best_static_predicted": static, "share_of_oracle_gain": share})
+    return out
+
+
+def render_comparison(statements: list[dict], pooled: dict, method: str = OGSPO) -> list[str]:
+    """OGSPO against the best baseline per cell and pooled, with the oracle bound; the A/A check."""
+    lines = [f"## {method.upper()} against the best baseline (geometric mean of paired per-request ratios, "
+             "95% bootstrap interval)", "",
+             "The best baseline of a cell is the faster (geometric mean) of autoregressive decoding and tuned "
+             "EAGLE-3 there. The oracle bound is in the latency model's units, cycles only (prefill out), and is "
+             "shown against the best baseline predicted on the cycles it ran; realised = the bound scaled by the "
+             "baseline's realised / predicted throughput.", "",
+             f"| T | workload | best baseline | {method} / best | {method} / ar | {method} tok/s (cycles) | "
+             "oracle bound (realised units) | bound / best | share of oracle gain over best static tree |",
+             "|---:|---|---|---|---|---:|---:|---:|---:|"]
+    for st in statements:
+        lines.append(f"| {st['temperature']:g} | {st['workload']} | {st['best_baseline']} | {_iv(st['vs_best'])} | "
+                     f"{_iv(st['vs_ar'])} | {_fmt(st['cycles_throughput'], '.1f')} | "
+                     f"{_fmt(st['oracle_realised_cycles_throughput'], '.1f')} | {_fmt(st['oracle_vs_best'])} | "
+                     f"{_fmt(st['share_of_oracle_gain'])} |")
+    lines.append("")
+    for key, label in (("vs_best", "best baseline"), ("vs_ar", "autoregressive"), ("vs_eagle_tuned", "tuned EAGLE-3")):
+        p = pooled.get(key)
+        if not p:
+            continue
+        per_t = "; ".join(f"T={t}: {_iv(iv)}" for t, iv in p["by_temperature"].items())
+        lines.append(f"- Pooled {method} / {label}: **{_iv(p['pooled'])}** (n={p['pooled']['n']}); {per_t}.")
+    for st in statements:
+        ob = st["oracle_vs_best"]
+        vb = st["vs_best"]
+        if ob is None or vb is None:
+            continue
+        where = f"T={st['temperature']:g} {st['workload']}"
+        if ob >= WANTED_GAIN:
+            verdict = ("reaches" if vb["ratio"] >= WANTED_GAIN and vb["low"] > 1 else "does not reach")
+            lines.append(f"- {where}: the oracle bound exceeds the best baseline ({st['best_baseline']}) by "
+                         f"{100 * (ob - 1):.0f}%; {method} {verdict} {WANTED_GAIN:.2f}x with its interval above 1 "
+                         f"({_iv(vb)}).")
+        else:
+            lines.append(f"- {where}: the oracle bound is only {ob:.2f}x the best baseline ({st['best_baseline']}), "
+                         f"below {WANTED_GAIN:.2f}x: no policy over this structure and records template can gain "
+                         "10% here.")
+    aa = pooled.get("aa_check")
+    lines += ["", "### A/A check", ""]
+    if aa and aa["pooled"]:
+        ok = aa["pooled"]["low"] <= 1.0 <= aa["pooled"]["high"]
+        cells = "; ".join(f"{c['workload']} T={c['temperature']:g}: {_iv(c)}" for c in aa["cells"] if "ratio" in c)
+        lines.append(f"`{AA_CHECK}` (autoregressive decoding run again in the rotation) / `{REFERENCE}`: pooled "
+                     f"**{_iv(aa['pooled'])}**, which {'contains' if ok else 'does NOT contain'} 1.00; per cell {cells}.")
+    else:
+        lines.append(f"Not run: add `{AA_CHECK}` to evaluate.methods.")
+    return lines + [""]
+
+
+def render_latency(rows: list[dict]) -> list[str]:
+    """Time to first token and request latency percentiles beside throughput, per method and cell."""
+    lines = ["## Latency (seconds: time to first token p50; whole request p50 / p90)", "",
+             "| T | workload | method | requests | TTFT p50 | latency p50 | latency p90 | tok/s (median) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['temperature']:g} | {r['workload']} | {r['method']} | {r['n_requests']} | "
+                     f"{_fmt(r.get('ttft_p50'), '.3f')} | {_fmt(r.get('latency_p50'), '.2f')} | "
+                     f"{_fmt(r.get('latency_p90'), '.2f')} | {r['throughput']:.1f} |")
+    return lines + [""]
 
 
 def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
@@ -336,8 +440,9 @@ def limiting_factors(rows: list[dict], *, latency_doc: dict | None, structures: 
                    "cost to beat autoregressive decoding.")
     for t in sorted({r["temperature"] for r in rows}):
         at = [r for r in rows if r["temperature"] == t]
-        best = max((r for r in at if r["method"] != REFERENCE and r["speedup"] is not None),
-                   key=lambda r: r["speedup"], default=None)
+        # a method that verified no drafted node (an empty structure, "do not speculate") is not speculative
+        best = max((r for r in at if r["method"] not in (REFERENCE, AA_CHECK) and r["speedup"] is not None
+                    and r["mean_tree_size"] > 0), key=lambda r: r["speedup"], default=None)
         if best is not None:
             out.append(f"T={t:g}: fastest speculative method/workload is {best['method']} on {best['workload']} at "
                        f"{best['speedup']:.2f}x autoregressive (tau {best['tau']:.2f}, verify "
@@ -422,8 +527,11 @@ def write_report(
     lossless = ev.get("lossless") or {}
     tuned = ev.get("eagle_tuned") or {}
     allv = [v for per in ratios.values() for v in per.values()]
+    pooled = pooled_comparisons(df, method=OGSPO)
+    statements = gain_statements(rows)
     doc = json_safe({
         "rows": rows,
+        "comparisons": {OGSPO: pooled}, "statements": statements,
         "ogspo_vs_eagle_tuned": {"by_temperature": ratios,
                                  "mean_by_temperature": {t: float(np.mean(list(v.values()))) for t, v in ratios.items()},
                                  "mean": float(np.mean(allv)) if allv else None},
@@ -433,7 +541,8 @@ def write_report(
     })
     summary_path = out_dir / "summary.json"
     md_path = out_dir / "report.md"
-    md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned)
+    md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned,
+                       comparison=render_comparison(statements, pooled))
     if drafter_eval is not None:
         metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") for h, d in (heads or {}).items()}
         md += "\n" + "\n".join(render_heads(_read_json(drafter_eval, "drafter acceptance"), metas))
