@@ -15,6 +15,8 @@ config.update(_validated)
 
 RESULTS = f"results/{config['device']}"
 WORKLOADS = list(config["workloads"])
+# The user's own prompt files (workloads with `jsonl:`): inputs of prepare_workloads, so an edit rebuilds them.
+prompt_files = lambda wildcards: [w["jsonl"] for w in config["workloads"].values() if "jsonl" in w]
 
 # Rules that run the target model (on `torch_device`): on CUDA each asks for one GPU, the resource
 # the SLURM executor plugin turns into --gpus (profiles/cluster adds the model and partition) and

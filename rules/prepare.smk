@@ -21,6 +21,7 @@ rule prepare_model:
 rule prepare_workloads:
     input:
         model=f"{RESULTS}/model",
+        prompts=prompt_files,
     output:
         expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
     params:

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import polars as pl
 import pytest
 
@@ -7,6 +9,7 @@ from ogspo.artifacts.prompts import (
     parse_fortunes,
     read_fortunes,
     read_humaneval,
+    read_jsonl_prompts,
     read_mtbench,
 )
 from ogspo.stages.workloads import prepare_workloads, select_prompts, split_ids
@@ -98,3 +101,52 @@ def test_prepare_workloads_with_real_tokenizer(smollm2_dir, tmp_path):
     he = pl.read_parquet(result.tables[1].path)
     assert (he["prompt"] == he["text"]).all()
     assert not list(tmp_path.glob("*/.*tmp*"))  # no temp files left behind
+
+
+def test_jsonl_workload_reads_ids_and_chat(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "def add(a, b):", "id": "add"}\n\n{"prompt": "Name three colours.", "chat": true}\n'
+                    '{"prompt": "Once upon a time", "id": 7}\n')
+    got = read_jsonl_prompts(path, "mine")
+    assert [p.prompt_id for p in got] == ["mine/add", "mine/3", "mine/7"]
+    assert [p.chat for p in got] == [False, True, False] and got[0].text == "def add(a, b):"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": ""}', "line 2: 'prompt' is missing or not non-empty text"),
+    ('{"text": "hi"}', "line 2: unknown key 'text'"),
+    ('{"prompt": "hi", "chat": "yes"}', "line 2: 'chat' must be true or false"),
+    ('{"prompt": "hi", "id": "a"}', "line 2: id 'a' repeats line 1"),
+    ('["hi"]', "line 2: a JSON list, not an object"),
+    ('{"prompt": "hi"', "line 2: not JSON"),
+])
+def test_jsonl_workload_with_a_bad_line_is_one_clear_error(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine", "id": "a"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message) as info:
+        read_jsonl_prompts(path, "bad")
+    assert "\n" not in str(info.value) and "'prompt' (non-empty text)" in str(info.value)
+
+
+def test_jsonl_workload_in_the_config(tmp_path):
+    import yaml
+
+    from ogspo.stages.config import ConfigError, load_config
+
+    default = Path(__file__).resolve().parents[1] / "config" / "default.yaml"
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "hello"}\n')
+    entry = {"jsonl": str(path), "max_prompts": 10, "eval_fraction": 0.25, "calib_prompts": 1, "max_prompt_tokens": 64}
+
+    def load(workload):
+        override = tmp_path / "override.yaml"
+        override.write_text(yaml.safe_dump({"workloads": {"mine": workload, "fortunes": None}, "drafter": {"extra_fortunes": 0}}))
+        return load_config([default, override])
+
+    cfg = load(entry)
+    assert cfg["workloads"]["mine"]["jsonl"] == str(path) and "mtbench" in cfg["workloads"]
+    with pytest.raises(ConfigError, match="'workloads.mine.jsonl': .* does not exist") as info:
+        load({**entry, "jsonl": str(tmp_path / "nope.jsonl")})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="workloads.mine"):
+        load({"max_prompts": 10})

@@ -1,6 +1,6 @@
 """Prompt sources: MT-Bench questions, HumanEval problems and Debian fortunes, read from the installed
-packages and the fortunes folder (no download). The stage `prepare_workloads` (`stages.workloads`)
-turns them into workload tables."""
+packages and the fortunes folder (no download), and the user's own prompts from a JSONL file
+(`read_jsonl_prompts`). The stage `prepare_workloads` (`stages.workloads`) turns them into workload tables."""
 
 from __future__ import annotations
 
@@ -88,6 +88,56 @@ def read_humaneval(path: Path | None = None) -> list[RawPrompt]:
                 raise ValueError(f"{path}:{lineno}: not a HumanEval problem ({exc.__class__.__name__}: {exc})") from None
     if not out:
         raise ValueError(f"{path}: no HumanEval problems")
+    return out
+
+
+JSONL_KEYS = ("prompt", "id", "chat")
+JSONL_FORMAT = "each line is a JSON object with 'prompt' (non-empty text), optional 'id' (unique) and 'chat' (true/false)"
+
+
+def read_jsonl_prompts(path: Path, name: str) -> list[RawPrompt]:
+    """A user's prompts, one JSON object per line: {"prompt": str, "id": str|int (optional, default the
+    line number), "chat": bool (optional, default false: raw continuation)}. Blank lines are skipped;
+    anything else that is wrong is one ValueError naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"workload {name}: prompts file {path} does not exist")
+    out: list[RawPrompt] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8", errors="strict") as fh:
+        try:
+            lines = list(fh)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text; {JSONL_FORMAT}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg}); {JSONL_FORMAT}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: a JSON {type(obj).__name__}, not an object; {JSONL_FORMAT}")
+        extra = sorted(set(obj) - set(JSONL_KEYS))
+        if extra:
+            raise ValueError(f"{where}: unknown key '{extra[0]}'; {JSONL_FORMAT}")
+        text = obj.get("prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{where}: 'prompt' is missing or not non-empty text; {JSONL_FORMAT}")
+        chat = obj.get("chat", False)
+        if not isinstance(chat, bool):
+            raise ValueError(f"{where}: 'chat' must be true or false, got {json.dumps(chat)}; {JSONL_FORMAT}")
+        pid = obj.get("id", lineno)
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)) or str(pid) == "":
+            raise ValueError(f"{where}: 'id' must be a non-empty string or an integer; {JSONL_FORMAT}")
+        pid = f"{name}/{pid}"
+        if pid in seen:
+            raise ValueError(f"{where}: id '{obj.get('id', lineno)}' repeats line {seen[pid]}; {JSONL_FORMAT}")
+        seen[pid] = lineno
+        out.append(RawPrompt(pid, name, text, chat=chat))
+    if not out:
+        raise ValueError(f"{path}: no prompts; {JSONL_FORMAT}")
     return out
 
 

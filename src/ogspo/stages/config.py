@@ -114,7 +114,16 @@ def load_config(
         _check_model_source(cfg["model"])
     if check_paths:
         _check_fortunes(cfg)
+        _check_jsonl(cfg)
     return cfg
+
+
+def _check_jsonl(cfg: Mapping) -> None:
+    """Every JSONL workload's file exists (its lines are checked when the workload is prepared)."""
+    for name, wcfg in (cfg.get("workloads") or {}).items():
+        if isinstance(wcfg, Mapping) and "jsonl" in wcfg and not Path(wcfg["jsonl"]).is_file():
+            raise ConfigError(f"config error at 'workloads.{name}.jsonl': {wcfg['jsonl']} does not exist; give a JSONL "
+                              "file with one {\"prompt\": ..., \"id\": ..., \"chat\": ...} object per line")
 
 
 def _check_fortunes(cfg: Mapping) -> None:

