@@ -241,7 +241,7 @@ def test_train_policy_cli(tiny_records, tmp_path):
     report = json.loads((tmp_path / "pol" / "train.json").read_text())
     assert report["structure"] == oracle.structure
     assert report["train"]["throughput"] <= report["train"]["posterior_bound"] + 1e-9
-    S, pol = load_policy_dir(tmp_path / "pol")
+    S, pol, _ = load_policy_dir(tmp_path / "pol")
     assert S.to_list() == oracle.structure and pol.structure.paths == S.paths
 
 

@@ -33,6 +33,7 @@ from ogspo.methods.ogspo import load_policy_dir
 from ogspo.methods.registry import make_policy
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.records import collect_records
+from ogspo.learn.size import fit_size_decision
 from ogspo.stages.rounds import run_rounds_stage, write_rounds
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
@@ -138,7 +139,15 @@ def test_rounds_run_and_outputs_load(records, tmp_path):
     assert r0.surrogate_J <= r0.posterior_bound + 1e-9
     assert r0.token_agreement == 1.0  # the same engine and numbers as the records
     assert res.same_trace.height == sum(r.same_trace_cycles for r in res.rows)
-    write_rounds(res, out, seed=0, records_dirs=[str(records)])
+    # the size decision on top (tolerance -1: kept whatever it gains, so the whole path is exercised)
+    size = fit_size_decision(records=[rec], structure=res.structure, head=res.head, latency=lat, lam=res.lam, seed=0,
+                             holdout_fraction=0.25, tolerance=-1.0)
+    f = size.figures
+    assert size.rule is not None and f["kept"]
+    assert f["extended_bound_J"] >= f["stop_bound_J"] - 1e-9  # verifying everything is one of its actions
+    assert f["all"]["size_J"] <= f["extended_bound_J"] + 1e-9 and f["all"]["full_J"] <= f["stop_bound_J"] + 1e-9
+    write_rounds(res, out, seed=0, records_dirs=[str(records)], size=size)
+    assert (out / "size.json").is_file()
     table = pl.read_parquet(out / "rounds.parquet")
     assert table.height == len(res.rows) and table["accepted"].to_list() == [r.accepted for r in res.rows]
     report = json.loads((out / "rounds.json").read_text())
@@ -148,8 +157,8 @@ def test_rounds_run_and_outputs_load(records, tmp_path):
     assert meta["structure"] == res.structure.to_list() and meta["round"] == res.incumbent_round
     exp = run_export_policy(rounds_dir=out, out_dir=tmp_path / "policy")
     assert exp.export is not None and (tmp_path / "policy" / "export.json").is_file()
-    S, pol = load_policy_dir(tmp_path / "policy")
-    assert S.paths == res.structure.paths
+    S, pol, rule = load_policy_dir(tmp_path / "policy")
+    assert S.paths == res.structure.paths and rule is not None and rule.lam == pytest.approx(size.rule.lam)
     X = offline_states(records=rec, structure=S, latency=lat).features.reshape(-1, N_FEATURES)
     np.testing.assert_array_equal(pol.advantage(X) <= 0, head.advantage(X) <= 0)
     method = make_policy("ogspo", policy_path=tmp_path / "policy")
@@ -211,7 +220,7 @@ def test_empty_oracle_structure_writes_autoregressive_rounds(tmp_path):
     assert report["autoregressive"] and "empty" in report["stop_reason"]
     assert not (tmp_path / "rounds" / "policy.pt").exists()
     run_export_policy(rounds_dir=tmp_path / "rounds", out_dir=tmp_path / "policy")
-    S, pol = load_policy_dir(tmp_path / "policy")
+    S, pol, _ = load_policy_dir(tmp_path / "policy")
     assert len(S) == 0 and pol is None
     assert make_policy("ogspo", policy_path=tmp_path / "policy").max_nodes == 1
 
@@ -229,7 +238,7 @@ def test_policy_only_ablation_and_export_cli(records, tmp_path):
     rc = main(["train-policy", "--config-json", cfg, "--records", str(records), "--latency", str(tmp_path / "latency.json"),
                "--template", "--out", str(tmp_path / "ablation")])
     assert rc == 0
-    S, pol = load_policy_dir(tmp_path / "ablation")
+    S, pol, _ = load_policy_dir(tmp_path / "ablation")
     assert S.paths == TEMPLATE.paths and pol.structure.paths == TEMPLATE.paths
     assert json.loads((tmp_path / "ablation" / "export.json").read_text())["structure_source"] == "records template"
     assert make_policy("ogspo", policy_path=tmp_path / "ablation").structure.paths == TEMPLATE.paths

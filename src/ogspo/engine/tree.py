@@ -106,6 +106,15 @@ def cumulative_logq(parents: np.ndarray, logq: np.ndarray) -> np.ndarray:
     return cum
 
 
+def confidence_order(cum: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """Drafted nodes (root excluded, as indices >= 1) from most to least confident: by cumulative
+    log-prob, ties toward shallower nodes, then toward the earlier node (parents and lower ranks come
+    first in drafting order). Log-probs are <= 0 and siblings are drafted best first, so every prefix
+    of this order is ancestor- and left-closed: the top-V nodes are a tree one can verify."""
+    idx = np.arange(1, len(cum))
+    return np.lexsort((idx, depths[1:], -np.asarray(cum)[1:])) + 1  # [n - 1]
+
+
 def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
     """anc[i, j] is True when node j is node i or one of its ancestors. [n, n] bool.
 

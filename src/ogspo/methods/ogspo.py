@@ -1,5 +1,6 @@
 """OGSPO at decode time: the exported policy head under onnxruntime as the engine's stop hook, over
-the structure it was trained for (docs/DESIGN.md §5)."""
+the structure it was trained for, and the size rule (size.json, when the policy folder has one) that
+chooses how many of the drafted nodes to verify (docs/DESIGN.md §5)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from ogspo.artifacts.policy_folder import INPUT_NAME, POLICY_FILE
+from ogspo.artifacts.size_rule import SIZE_FILE, SizeRule, read_size_rule
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
-from ogspo.engine.policies import Autoregressive, CycleContext, StaticTree, TreePolicy
-from ogspo.engine.tree import DraftTree, Structure
+from ogspo.engine.policies import Autoregressive, CycleContext, Draft, StaticTree, TreePolicy
+from ogspo.engine.tree import DraftTree, Structure, confidence_order
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, RecentAccept, state_features
 
 
@@ -107,9 +109,9 @@ def _seconds_per_call(session, calls: int = 200) -> float:
     return float(np.median(times))
 
 
-def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None"]:
-    """(structure, ONNX policy) of a policy folder; the two must agree. An empty structure (the
-    oracle chose autoregressive decoding) comes without a policy."""
+def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None", SizeRule | None]:
+    """(structure, ONNX policy, size rule or None) of a policy folder; the policy and the structure must
+    agree. An empty structure (the oracle chose autoregressive decoding) comes without a policy."""
 
     path = Path(path)
     if not path.is_dir():
@@ -118,37 +120,63 @@ def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "Onn
         raise FileNotFoundError(f"policy folder {path} has no {STRUCTURE_FILE}")
     structure = load_structure(path / STRUCTURE_FILE)
     if len(structure) == 0:  # the oracle chose not to draft: no head was trained
-        return structure, None
+        return structure, None, None
     policy = OnnxPolicy(path / POLICY_FILE, device=device)
     if policy.structure is not None and policy.structure.paths != structure.paths:
         raise ValueError(f"policy folder {path}: {STRUCTURE_FILE} differs from the structure the policy was trained for")
-    return structure, policy
+    size = read_size_rule(path / SIZE_FILE) if (path / SIZE_FILE).is_file() else None
+    if size is not None and size.max_nodes < len(structure):
+        raise ValueError(f"policy folder {path}: {SIZE_FILE} covers {size.max_nodes} nodes, the structure has {len(structure)}")
+    return structure, policy, size
 
 
 class OgspoTree(StaticTree):
     """OGSPO: the learned structure S drafted level by level, with the exported policy head (ONNX) as
-    the stop hook (`self.hook`) evaluated after every level."""
+    the stop hook (`self.hook`) evaluated after every level; with a size rule, only the top-V drafted
+    nodes by confidence are verified (V chosen by the rule, `artifacts.size_rule`)."""
 
-    def __init__(self, structure: Structure, hook: OnnxPolicy, name: str = "ogspo"):
+    def __init__(self, structure: Structure, hook: OnnxPolicy, name: str = "ogspo", size_rule: SizeRule | None = None):
         super().__init__(structure, name=name)
         self.hook = hook
+        self.size_rule = size_rule
 
     def begin(self, prompt: list[int]) -> None:
         self.hook.reset()
 
+    def draft(self, drafter, root, ctx, *, stop_hook=None) -> Draft:
+        draft = super().draft(drafter, root, ctx, stop_hook=stop_hook)
+        if self.size_rule is None:
+            return draft
+        return Draft(drafted=draft.drafted, verified=select_size(self.size_rule, draft.drafted, ctx.context_length),
+                     level_seconds=draft.level_seconds, stopped_early=draft.stopped_early)
+
+
+def top_confidence_nodes(tree: DraftTree, V: int) -> np.ndarray:
+    """Root plus the V most confident drafted nodes (`confidence_order`), in drafting order. [V + 1]"""
+    order = confidence_order(tree.cum_logq, tree.depths)  # [n - 1]
+    return np.sort(np.concatenate([[0], order[:V]])).astype(np.int64)
+
+
+def select_size(rule: SizeRule, tree: DraftTree, context_length: int) -> np.ndarray:
+    """Root plus the top-V drafted nodes by confidence, V chosen by the size rule; drafting order. [V + 1]"""
+    cum = tree.cum_logq
+    V = rule.choose(cum[confidence_order(cum, tree.depths)], context_length)
+    return top_confidence_nodes(tree, V)
+
 
 def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu",
                name: str = "ogspo") -> TreePolicy:
-    """The `ogspo` method from a policy folder (policy.onnx + structure.json); `structure` overrides the
-    folder's structure.json (it must equal the structure the policy was trained for)."""
+    """The `ogspo` method from a policy folder (policy.onnx + structure.json, and size.json when the size
+    decision was kept); `structure` overrides the folder's structure.json (it must equal the structure the
+    policy was trained for)."""
     if policy_path is None:
         raise ValueError("method 'ogspo' needs a policy folder (--policy DIR with policy.onnx and structure.json)")
 
-    S, hook = load_policy_dir(Path(policy_path), device=device)
+    S, hook, size = load_policy_dir(Path(policy_path), device=device)
     if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
         return Autoregressive(name=name)
     if structure is not None:
         given = load_structure(structure)
         if given.paths != S.paths:
             raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
-    return OgspoTree(S, hook, name=name)
+    return OgspoTree(S, hook, name=name, size_rule=size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.artifacts.size_rule import SIZE_FILE, read_size_rule, write_size_rule
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.tree import Structure
 from ogspo.learn.export import ExportResult, write_policy_folder
@@ -19,8 +20,8 @@ class ExportStageResult:
 
 
 def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
-    """Stage `export_policy`: the final head of an OGSPO rounds folder (policy.pt + structure.json) as a
-    policy folder that `load_policy_dir` / the `ogspo` method read."""
+    """Stage `export_policy`: the final head of an OGSPO rounds folder (policy.pt + structure.json, and
+    size.json when the size rule was kept) as a policy folder that `load_policy_dir` / the `ogspo` method read."""
 
     rounds_dir = Path(rounds_dir)
     if not (rounds_dir / STRUCTURE_FILE).is_file():
@@ -31,4 +32,8 @@ def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
         raise ValueError(f"rounds folder {rounds_dir}: {STRUCTURE_FILE} differs from the structure of {HEAD_FILE}")
     info = {"source": str(rounds_dir), **{k: meta[k] for k in ("round", "seed") if k in meta}}
     exp = write_policy_folder(head=head, structure=structure, lam=meta.get("lambda"), out_dir=out_dir, info=info)
+    if head is not None and (rounds_dir / SIZE_FILE).is_file():  # the size rule the rounds kept
+        write_size_rule(read_size_rule(rounds_dir / SIZE_FILE), Path(out_dir) / SIZE_FILE)
+    elif (Path(out_dir) / SIZE_FILE).exists():
+        (Path(out_dir) / SIZE_FILE).unlink()
     return ExportStageResult(out_dir=Path(out_dir), structure=structure, export=exp)

@@ -13,8 +13,10 @@ from ogspo.artifacts.records import load_records
 from ogspo.artifacts.structure import STRUCTURE_FILE, write_structure
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.target import TreeLM
-from ogspo.learn.policy import HEAD_FILE, save_head
+from ogspo.learn.policy import HEAD_FILE, policy_settings, save_head
 from ogspo.learn.rounds import RoundRow, RoundsResult, SameTraceSetup, rounds_settings, run_rounds, sample_requests
+from ogspo.learn.size import SizeDecision, fit_size_decision
+from ogspo.artifacts.size_rule import SIZE_FILE, write_size_rule
 import math
 import os
 import polars as pl
@@ -62,9 +64,10 @@ def plot_rounds(result: RoundsResult, path: Path, dpi: int = 80) -> None:
     os.replace(tmp, path)
 
 
-def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs: list[str]) -> None:
-    """rounds.parquet, same_trace.parquet, rounds.png, rounds.json, structure.json and (unless the
-    structure is empty) the incumbent head as policy.pt."""
+def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs: list[str],
+                 size: SizeDecision | None = None) -> None:
+    """rounds.parquet, same_trace.parquet, rounds.png, rounds.json, structure.json, (unless the
+    structure is empty) the incumbent head as policy.pt, and size.json when the size rule was kept."""
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,11 +82,16 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
     elif head_path.exists():
         head_path.unlink()
     write_structure(result.structure, out_dir / STRUCTURE_FILE)
+    if size is not None and size.rule is not None:
+        write_size_rule(size.rule, out_dir / SIZE_FILE)
+    elif (out_dir / SIZE_FILE).exists():
+        (out_dir / SIZE_FILE).unlink()
     report = {
         "autoregressive": result.autoregressive, "stop_reason": result.stop_reason,
         "incumbent_round": result.incumbent_round, "structure": result.structure.to_list(), "lambda": result.lam,
         "oracle_throughput": result.oracle_throughput, "rounds": [asdict(r) for r in result.rows],
         "structures": result.structures, "settings": result.settings, "seed": seed, "records": records_dirs,
+        "size_decision": size.figures if size is not None else None,
     }
     write_text(out_dir / "rounds.json", json.dumps(_finite(report), indent=1) + "\n")
 
@@ -149,5 +157,10 @@ def run_rounds_stage(
 
     result = run_rounds(records=records, latency=latency, structure=structure, oracle_throughput=oracle_J, setup=setup,
                         config=config, seed=seed)
-    write_rounds(result, out_dir, seed=seed, records_dirs=[str(d) for d in records_dirs])
+    size = None
+    if result.head is not None and rounds_settings(config)["size_decision"]:
+        size = fit_size_decision(records=records, structure=result.structure, head=result.head, latency=latency,
+                                 lam=result.lam, seed=seed, holdout_fraction=float(policy_settings(config)["holdout_fraction"]),
+                                 tolerance=float(rounds_settings(config)["tolerance"]))
+    write_rounds(result, out_dir, seed=seed, records_dirs=[str(d) for d in records_dirs], size=size)
     return result
