@@ -17,6 +17,7 @@ include: "rules/solve.smk"
 include: "rules/policy.smk"
 include: "rules/baselines.smk"
 include: "rules/evaluate.smk"
+include: "rules/resolve.smk"
 
 
 rule all:
@@ -33,4 +34,5 @@ rule all:
         expand(f"{RESULTS}/sequoia/{{tag}}", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/routing/{{tag}}", tag=RECORD_TEMPERATURES),
         f"{RESULTS}/report/summary.json",
+        expand(f"{RESULTS}/resolve/{{name}}/{{tag}}", name=list(config["resolve"]), tag=RECORD_TEMPERATURES),
     default_target: True

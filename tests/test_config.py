@@ -41,7 +41,7 @@ def test_misspelt_key(base):
     msg = error_of(base)
     assert msg.startswith("config error at 'modle': unknown key")
     assert "did you mean 'model'" in msg
-    assert "allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, model, policy, records, rounds, seed, solve, torch_device, workloads" in msg
+    assert "allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, model, policy, records, resolve, rounds, seed, solve, torch_device, workloads" in msg
 
 
 def test_misspelt_nested_key(base):

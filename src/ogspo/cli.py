@@ -42,6 +42,7 @@ from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write
 from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
 from ogspo.stages.records import collect_records
 from ogspo.stages.report import write_report
+from ogspo.stages.resolve import resolve_device
 from ogspo.stages.rounds import run_rounds_stage
 from ogspo.stages.routing import run_train_routing
 from ogspo.stages.sequoia import build_sequoia
@@ -468,6 +469,26 @@ def _run_train_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- resolve-device
+
+
+def _add_resolve_device(p: argparse.ArgumentParser) -> None:
+    _add_config(p)
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template, one temperature)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json calibrated on the other device (same model and head)")
+    p.add_argument("--out", required=True, type=Path, help="folder to write (oracle.json, policy/, resolve.json)")
+
+
+def _run_resolve_device(args: argparse.Namespace) -> int:
+
+    cfg = _load_config(args, ("solve", "policy", "seed"))
+    r = resolve_device(records_dirs=args.records, latency_path=args.latency, out_dir=args.out, config=cfg, seed=cfg["seed"])
+    pol = f", policy J {r.policy.train.train.throughput:.3f}" if r.policy.train else ", autoregressive"
+    edge = f"; at the template's limits: {'; '.join(r.template_edges)}" if r.template_edges else ""
+    print(f"resolve: oracle {r.oracle.throughput:.3f} tokens/s, |S| = {len(r.oracle.structure)}{pol}{edge} -> {args.out}")
+    return 0
+
+
 # ---------------------------------------------------------------- ogspo-rounds, export-policy
 
 
@@ -683,6 +704,8 @@ COMMANDS: dict[str, Command] = {
     "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),
     "solve-oracle": Command("posterior-optimal structure and stop depths (OGSPO step 0)", _add_solve_oracle, _run_solve_oracle),
     "train-policy": Command("train the OGSPO stop policy for a fixed structure and export it to ONNX", _add_train_policy, _run_train_policy),
+    "resolve-device": Command("re-solve structure and stop policy for another device from records and its latency.json",
+                              _add_resolve_device, _run_resolve_device),
     "ogspo-rounds": Command("alternating OGSPO rounds with same-trace correction", _add_ogspo_rounds, _run_ogspo_rounds),
     "export-policy": Command("export the final head of OGSPO rounds as a policy folder", _add_export_policy, _run_export_policy),
     "build-sequoia": Command("Sequoia-style static tree from records (baseline)", _add_build_sequoia, _run_build_sequoia),
