@@ -66,6 +66,14 @@ SPECS = method_specs(methods=["ar", "chain", "eagle-default", "eagle-tuned", "se
                      chains=[2, 3], eagle_default=[8, 3, 3])
 
 
+def test_slot_order_is_a_seeded_permutation():
+    from ogspo.stages.evaluate import slot_order
+
+    assert sorted(slot_order(5, 3)) == list(range(5)) and slot_order(5, 3) == slot_order(5, 3)
+    firsts = {slot_order(4, s)[0] for s in range(40)}
+    assert firsts == {0, 1, 2, 3}  # every method runs first in some slot
+
+
 def test_rotated_order_rotates():
     orders = [rotated_order(4, i) for i in range(4)]
     assert orders[0] == [0, 1, 2, 3] and orders[1] == [1, 2, 3, 0] and rotated_order(4, 5) == orders[1]

@@ -611,7 +611,7 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
     target, drafter, _, _, tok = _load_model_drafter(args, cfg)
     prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
     res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
-                     max_new_tokens=ev["max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
+                     max_new_tokens=ev["tune_max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
                      progress=lambda line: print(line, flush=True))
     write_tuning(res, args.out)
     print(f"tuned EAGLE-3 at T={args.temperature:g}: {res.winners} in {res.seconds:.0f} s -> {args.out}")
@@ -674,6 +674,7 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", nargs="*", metavar="TAG=PATH", help="rounds.parquet per temperature tag (absent files: plot left out)")
     p.add_argument("--drafter-eval", type=Path, help="drafter_eval/acceptance.json (the draft heads side by side)")
     p.add_argument("--head", nargs="*", metavar="LABEL=PATH", help="drafter folder per head label (base, gto): training figures")
+    p.add_argument("--sequoia", nargs="*", metavar="TAG=PATH", help="sequoia.json per temperature tag: AR and the static tree replayed on the records")
     p.add_argument("--out", required=True, type=Path, help="report folder")
 
 
@@ -683,7 +684,7 @@ def _run_report(args: argparse.Namespace) -> int:
         evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
         records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
         rounds=_key_paths(args.rounds, "--rounds"), drafter_eval=args.drafter_eval,
-        heads=_key_paths(args.head, "--head", ("base", "gto")),
+        heads=_key_paths(args.head, "--head", ("base", "gto")), sequoia=_key_paths(args.sequoia, "--sequoia"),
     )
     print(f"report: {len(r.plots)} plots, OGSPO / tuned EAGLE-3 {r.ratios or 'n/a'} -> {r.markdown_path}")
     for m in r.missing:

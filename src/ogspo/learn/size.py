@@ -2,8 +2,8 @@
 
 With the structure and the stop policy of the OGSPO rounds fixed, fit the size rule
 (`offline.size.fit_size_rule`) on the train requests' record cycles at the policy's own stop depths,
-and keep it only if it raises the surrogate J = sum A / sum t of the held-out requests over verifying
-everything drafted (by more than `tolerance`). The figures beside it: the stop-only posterior bound
+and keep it only if it raises the surrogate J = sum A / sum t over verifying everything drafted (by
+more than `tolerance`) on the train and on the held-out requests alike. The figures beside it: the stop-only posterior bound
 for S and the extended oracle over (stop depth, size), which bounds every stop + size policy over S.
 """
 
@@ -67,6 +67,6 @@ def fit_size_decision(*, records: list[Records], structure: Structure, head: Pol
     full_t = np.stack([t[:, d, sdata.level_sizes()[d]] for d in range(D)], axis=1)
     figs["stop_bound_J"] = posterior_bound(full_A, full_t)[1]
     figs["extended_bound_J"] = extended_bound(A, t, legal)[1]
-    judge = figs.get("holdout", figs["train"])
-    figs["kept"] = bool(judge["size_J"] > judge["full_J"] * (1 + tolerance))
+    # kept only when the train and the held-out requests agree that it pays
+    figs["kept"] = all(figs[k]["size_J"] > figs[k]["full_J"] * (1 + tolerance) for k in ("train", "holdout") if k in figs)
     return SizeDecision(rule=rule if figs["kept"] else None, figures=figs)

@@ -1,7 +1,7 @@
 """Stages `tune_eagle` and `evaluate`: every decoding method side by side on held-out prompts.
 
 `evaluate_methods` runs, per temperature, workload, eval prompt and repeat, every configured method
-in a rotated order (so machine drift cancels in paired ratios), all on one target and one drafter.
+in a seeded random order (so machine drift cancels in paired ratios), all on one target and one drafter.
 Per request: complete-request throughput (prefill included), tau, the time split (prefill / draft /
 policy / verify / other; the stop hook's time, timed by a wrapper, is taken out of "other", where
 the engine books it; the routing baseline's pre-drafting decision stays in "other") and the latency
@@ -81,6 +81,13 @@ def rotated_order(n: int, index: int) -> list[int]:
     first, second, ... equally often over n consecutive slots)."""
     s = index % n if n else 0
     return list(range(s, n)) + list(range(s))
+
+
+def slot_order(n: int, seed: int) -> list[int]:
+    """Method order of one request slot: a seeded random permutation (the slot's seed). Unlike a
+    rotation it does not keep two methods neighbours in every slot, so drift within a slot (the
+    machine slowing for a while) cannot favour one method of a pair; positions balance on average."""
+    return np.random.default_rng(seed).permutation(n).tolist()
 
 
 def slot_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
@@ -310,7 +317,7 @@ def evaluate_methods(
     progress: Callable[[str], None] | None = None,
 ) -> EvaluateResult:
     """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
-    by request in rotated order. Methods whose kind is in `light_methods` run on the first
+    by request, in a seeded random order per request slot (`slot_order`). Methods whose kind is in `light_methods` run on the first
     `light_prompts` prompts of each workload only (the rotation covers the methods of each slot).
     Before a slot's methods run, the prompt is prefilled once untimed, so the slot's first method
     does not pay for the new prompt's shapes. `reference_model` (an HF causal LM, default
@@ -354,7 +361,7 @@ def evaluate_methods(
                     here = [me for me in engines if me.spec.kind not in light_methods or index < light_prompts]
                     ref_engine.engine.target.prefill(prompt)  # untimed: the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
-                    for pos, j in enumerate(rotated_order(len(here), slot)):
+                    for pos, j in enumerate(slot_order(len(here), rseed)):
                         me = here[j]
                         res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency)
                         out[me.spec.name] = RequestRow(
