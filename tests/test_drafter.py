@@ -72,6 +72,18 @@ def test_head_for_another_target_is_refused(tmp_path):
         load_head(tmp_path, target_model=tiny_model(0, vocab=80).float(), target_checksum=None)
 
 
+def test_a_retrained_head_in_the_same_folder_is_another_drafter(tmp_path):
+    """The head's id hashes its weights: records, latency tables and policies of the old head are not reused."""
+    target = tiny_model(0).float()
+    ids = []
+    for seed in (0, 1):
+        head = make_head(target, seed=seed)
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / WEIGHTS))
+        (tmp_path / META).write_text(json.dumps({"target_checksum": "abc123", "head": head.cfg.to_dict()}))
+        ids.append(load_head(tmp_path, target_model=target)[1]["id"])
+    assert ids[0] != ids[1] and all(i.startswith(tmp_path.name + "-") for i in ids)
+
+
 def test_packed_generation_equals_greedy_and_teacher_forcing():
     """Packed continuations (several prompts in one cache, a forest mask) equal transformers' greedy
     decoding, and their features / distributions equal a teacher-forced pass over the result."""

@@ -31,16 +31,22 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
         summary = json.loads((out / "report" / "summary.json").read_text())
         assert summary["lossless"]["checked"] > 0 and summary["lossless"]["mismatches"] == 0
         methods = {r["method"] for r in summary["rows"]}
-        assert {"ar", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy"} <= methods
+        assert {"ar", "ar-aa", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy"} <= methods
         assert {r["temperature"] for r in summary["rows"]} == {0.0, 1.0}
         for row in summary["rows"]:
             for key in ("throughput", "tau", "speedup", "vs_eagle_tuned", "predicted_throughput", "time_split"):
                 assert row[key] is not None, (row["method"], key)
         assert (out / "report" / "report.md").is_file() and (out / "report" / "throughput.png").is_file()
+        # intervals against the best baseline, pooled and per cell; the A/A check; the records' bound
+        comp = summary["comparisons"]["ogspo"]
+        assert comp["vs_best"]["pooled"]["low"] <= comp["vs_best"]["pooled"]["ratio"] <= comp["vs_best"]["pooled"]["high"]
+        assert comp["aa_check"]["pooled"]["n"] > 0 and set(summary["records_figures"]) == {"T0", "T1"}
+        assert all(row["latency_p90"] >= row["latency_p50"] > 0 for row in summary["rows"])
         # the GTO head decodes every later stage; the report shows it beside the train_drafter head
         gto = json.loads((out / "drafter_gto" / "drafter.json").read_text())
         assert gto["gto_metrics"]["steps"] == 4 and "base" in (out / "logs" / "measure_drafter.log").read_text()
         md = (out / "report" / "report.md").read_text()
+        assert "### A/A check" in md and "against the best baseline" in md and "TTFT p50" in md
         assert "## Draft heads" in md and " | base | " in md and " | gto | " in md and "Draft Tree Reward" in md
     finally:
         shutil.rmtree(out, ignore_errors=True)

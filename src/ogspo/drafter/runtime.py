@@ -8,6 +8,7 @@ verification already computed (no extra target pass).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -25,8 +26,19 @@ WEIGHTS = "head.safetensors"
 META = "drafter.json"
 
 
+def head_id(path: Path) -> str:
+    """The head's identity: folder name and the first 12 hex digits of its weights' sha256. Records,
+    latency tables and policies name the drafter by it, so a retrained head in the same folder is a
+    different drafter (its records are recollected, not reused)."""
+    digest = hashlib.sha256()
+    with open(Path(path) / WEIGHTS, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return f"{Path(path).name}-{digest.hexdigest()[:12]}"
+
+
 def load_head(path: Path, *, target_model, target_checksum: str | None = None) -> tuple[EagleHead, dict]:
-    """Load a trained head; refuse one trained for another target."""
+    """Load a trained head; refuse one trained for another target. `meta["id"]` is `head_id(path)`."""
     path = Path(path)
     if not (path / META).is_file() or not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"drafter folder {path} lacks {META} or {WEIGHTS} (run the train_drafter stage)")
@@ -48,7 +60,7 @@ def load_head(path: Path, *, target_model, target_checksum: str | None = None) -
     head.load_state_dict(state, strict=True)
     head.to(embed.device)  # the head runs where the target runs
     head.eval()
-    return head, meta
+    return head, {**meta, "id": head_id(path)}
 
 
 class EagleDrafter(TreeDrafter):

@@ -61,7 +61,7 @@ def make_drafter(
         if path is None:
             raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
         head, meta = load_head(Path(path), target_model=target_model, target_checksum=target_checksum)
-        return EagleDrafter(head, max_len=max_len, drafter_id=f"eagle:{meta.get('id', Path(path).name)}")
+        return EagleDrafter(head, max_len=max_len, drafter_id=f"eagle:{meta['id']}")
     if name == "lookup":
         return PromptLookupDrafter()
     if name == "early-exit":
