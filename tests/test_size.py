@@ -10,7 +10,7 @@ from ogspo.artifacts.records import load_records
 from ogspo.artifacts.size_rule import SizeRule, read_size_rule, write_size_rule
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import Draft, StaticTree
-from ogspo.engine.tree import Structure, confidence_order
+from ogspo.engine.tree import confidence_order
 from ogspo.methods.ogspo import select_size, top_confidence_nodes
 from ogspo.offline.size import (
     extended_bound,
