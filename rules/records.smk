@@ -19,6 +19,8 @@ rule collect_records:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{RESULTS}/logs/collect_records/{{workload}}-T{{temperature}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/collect_records_{{workload}}_T{{temperature}}.tsv"
     threads: TIMING_THREADS
     resources:
         mem_mb=lambda wildcards, input: model_memory_mb(input.model, 4000),
