@@ -15,13 +15,12 @@ the device's latency model at fitting time. Draft time is sunk by then, so it do
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ogspo.artifacts.io import write_json
+from ogspo.artifacts.io import read_json, write_json
 
 SIZE_FILE = "size.json"
 SCHEMA_VERSION = 1
@@ -66,13 +65,8 @@ def write_size_rule(rule: SizeRule, path: Path) -> None:
 def read_size_rule(path: Path) -> SizeRule:
     """A size.json written by `write_size_rule`; one-line ValueError otherwise."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"size rule {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"size rule {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict) or data.pop("schema_version", None) != SCHEMA_VERSION:
+    data = dict(read_json(path, "size rule"))
+    if data.pop("schema_version", None) != SCHEMA_VERSION:
         raise ValueError(f"size rule {path}: not a size.json of schema version {SCHEMA_VERSION}")
     want = set(SizeRule.__dataclass_fields__)
     if set(data) != want:

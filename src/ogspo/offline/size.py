@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ogspo.artifacts.latency import LatencyModel
-from ogspo.artifacts.records import Records, path_str, template_index
+from ogspo.artifacts.records import Records, path_str
 from ogspo.artifacts.size_rule import SizeRule
 from ogspo.engine.tree import Structure
 from ogspo.offline.replay import level_profile, structure_mask
@@ -68,15 +68,11 @@ def size_data(records: Records, structure: Structure) -> SizeData:
     nodes = nodes.join(key, on=["request_id", "cycle"], how="left").sort(["row", "node"])
     cum = nodes["cum_logq"].to_numpy().reshape(C, N)
     depths = nodes["depth"].to_numpy()[:N].astype(np.int64)
-    tidx = template_index(T)
-    inv = {i: p for p, i in tidx.items()}
     tnodes = nodes["tnode"].to_numpy().reshape(C, N)
     accepted = cyc["accepted_tnodes"].to_list()
     on_path = np.zeros((C, N), dtype=bool)
     for c, path in enumerate(accepted):
         on_path[c] = np.isin(tnodes[c], np.asarray(path, dtype=np.int64))
-    if not all(len(inv[int(t)]) == d for t, d in zip(tnodes[0], depths)):  # pragma: no cover - records invariant
-        raise ValueError("records node depths disagree with their rank paths")
     idx = np.broadcast_to(np.arange(N), (C, N))
     order = np.lexsort((idx, np.broadcast_to(depths, (C, N)), -cum), axis=1)  # [C, N] as confidence_order
     return SizeData(S, cum, depths, on_path, cyc["context_length"].to_numpy().astype(np.float64),

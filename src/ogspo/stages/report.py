@@ -296,7 +296,6 @@ def _iv(d: dict | None) -> str:
     return "-" if not d else f"{d['ratio']:.3f} [{d['low']:.3f}, {d['high']:.3f}]"
 
 
-STATIC_TREES = ("sequoia", "ogspo-structure")  # static trees of the records template (the oracle's reference)
 WANTED_GAIN = 1.10  # the acceptance bar: OGSPO / best baseline where the oracle bound allows it
 
 
