@@ -35,7 +35,9 @@ class Step:
     rows 0..committed are visible to every new row, and of the pending rows committed..start+m a
     row sees those `attend` [m, start - committed + m] marks (None: causal). `mask` is the same
     as a boolean SDPA mask [B or 1, 1, m, start + m] (None: one causal token), the only form a
-    batch of sequences (`LlamaTreeLM.forward_batch`) gives."""
+    batch of sequences (`LlamaTreeLM.forward_batch`) gives. `window_mask` (same shape) is the mask
+    of sliding-window layers once a position reaches the window (None: `mask` holds for them too);
+    only the torch ops read it."""
 
     positions: torch.Tensor
     start: int
@@ -44,6 +46,7 @@ class Step:
     mask: torch.Tensor | None
     cos_table: torch.Tensor  # [max_len, hd]
     sin_table: torch.Tensor
+    window_mask: torch.Tensor | None = None
 
     @property
     def m(self) -> int:
@@ -81,8 +84,11 @@ class TorchLayerOps:
         var = x.pow(2).mean(-1, keepdim=True)
         return x, x * torch.rsqrt(var + self.eps) * w
 
-    def rope_attention(self, qkv, bias, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """qkv [B, m, (H + 2KV) * hd] -> attention output [B, m, H * hd]; keys/values [B, KV, max_len, hd]."""
+    def rope_attention(self, qkv, bias, step: Step, keys: torch.Tensor, values: torch.Tensor, *,
+                       sliding: bool = False, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """qkv [B, m, (H + 2KV) * hd] -> attention output [B, m, H * hd]; keys/values [B, KV, max_len, hd].
+        `sliding`: a sliding-window layer (reads `step.window_mask`); `qk_norm`: per-head RMSNorm
+        weights (q [hd], k [hd]) applied to queries and keys before the rotary embedding (Qwen3)."""
         B, m, _ = qkv.shape
         H, KV, hd = self.H, self.KV, self.hd
         start, end = step.start, step.start + m
@@ -90,12 +96,16 @@ class TorchLayerOps:
             qkv = qkv + bias
         heads = qkv.view(B, m, H + 2 * KV, hd)
         qk = heads[:, :, : H + KV]  # [B, m, H + KV, hd]: queries and keys get the rotary embedding at once
+        if qk_norm is not None:
+            w = torch.cat([qk_norm[0].expand(H, hd), qk_norm[1].expand(KV, hd)])  # [H + KV, hd]
+            qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + self.eps) * w
         qk = qk * step.cos + _rotate_half(qk) * step.sin
         q = qk[:, :, :H].transpose(1, 2)  # [B, H, m, hd]
         keys[:, :, start:end] = qk[:, :, H:].transpose(1, 2)  # [B, KV, m, hd]
         values[:, :, start:end] = heads[:, :, H + KV :].transpose(1, 2)
+        mask = step.window_mask if sliding and step.window_mask is not None else step.mask
         o = F.scaled_dot_product_attention(
-            q, keys[:, :, :end], values[:, :, :end], attn_mask=step.mask, enable_gqa=H != KV
+            q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=H != KV
         )  # [B, H, m, hd]
         return o.transpose(1, 2).reshape(B, m, H * hd)
 
@@ -126,10 +136,12 @@ class NativeLayerOps:
         self._lib.ogspo_add_rmsnorm(x.data_ptr(), None if r is None else r.data_ptr(), w.data_ptr(), h.data_ptr(), rows, x.shape[-1], self.eps)
         return x, h
 
-    def rope_attention(self, qkv, bias, step: Step, keys, values):
+    def rope_attention(self, qkv, bias, step: Step, keys, values, *, sliding: bool = False, qk_norm=None):
         B, m, width = qkv.shape
         if B != 1:
             raise ValueError("native layer ops run single-sequence forwards only")
+        if qk_norm is not None or (sliding and step.window_mask is not None):
+            raise ValueError("native layer ops do neither QK-norm nor sliding windows: run the torch ops")
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         H, KV, hd = self.H, self.KV, self.hd

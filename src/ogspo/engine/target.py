@@ -2,12 +2,19 @@
 
 Two backends share one interface (`TreeLM`):
 
-- `LlamaTreeLM`: a small gpt-fast-style forward for the Llama architecture (SmolLM2, Llama 2/3,
-  Mistral without sliding window) that reads the transformers weights in place. Fused QKV and
+- `LlamaTreeLM`: a small gpt-fast-style forward for the architectures whose decoder layer is
+  Llama's math (`fast_path_refusal` says which: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 with its
+  QK-norm, Phi-3 with its fused weights), reading the transformers weights in place. Fused QKV and
   gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA; every matmul goes
   through the device's measured kernel table (`engine.kernels`), torch's `F.linear` without one.
-- `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D float mask and
-  explicit position ids, through transformers' own forward with a preallocated cache layer.
+- `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D mask and explicit
+  position ids (Gemma 2/3 with their soft-capping and scaled norms, and the rest), through
+  transformers' own forward with a preallocated cache layer.
+
+Sliding-window attention composes with the tree mask: a new row at position p sees a cache row
+(committed, or one of its pending ancestors) only if that row's position is above p - window. While
+every position is below the window this is the plain tree mask, so the window costs nothing until
+the context crosses it. Models that interleave local and global layers get one mask per kind.
 
 The cache has a *committed* part (rows 0..length) and a *pending* part (rows written by forwards
 since the last commit). A forward over m new tokens attends to every committed row and to the
@@ -25,7 +32,51 @@ import torch.nn.functional as F
 from .kernels import LAYER_OPS, KernelTable, Matmul, check_usable, layer_ops_shape
 from .layer_ops import TORCH, Step, TorchLayerOps, make_layer_ops
 
-LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "phi3"}  # decoder layers of Llama's math (see fast_path_refusal)
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the attention kinds
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary tables that do not change with the sequence length
+
+
+def attention_layout(cfg) -> tuple[list[str], int | None]:
+    """Each layer's attention kind (FULL or SLIDING) and the sliding window (None: no sliding layer).
+
+    transformers spells it `layer_types` (Qwen2/3, Gemma 2/3); Mistral and Phi-3 have one
+    `sliding_window` for every layer. Other kinds (chunked, linear, state-space) raise one line."""
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    types = list(types)[:n] if types is not None else [SLIDING if window else FULL] * n
+    other = sorted(set(types) - {FULL, SLIDING})
+    if other:
+        raise ValueError(f"architecture '{cfg.model_type}' has {', '.join(other)} layers; tree attention runs "
+                         f"{FULL} and {SLIDING} layers only")
+    if SLIDING not in types:
+        return types, None
+    if not window or window < 1:
+        raise ValueError(f"architecture '{cfg.model_type}' has sliding-window layers but no sliding_window size")
+    return types, int(window)
+
+
+def _rope_type(cfg) -> str:
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return str(rp.get("rope_type", rp.get("type", "default")))
+
+
+def fast_path_refusal(cfg) -> str | None:
+    """Why `LlamaTreeLM` cannot run this architecture (None: it can): its decoder layer must be
+    Llama's (RMSNorm, SiLU-gated MLP, rotary attention over every head dimension, optional QKV biases
+    and QK-norm) with a rotary table that does not depend on the sequence length."""
+    if cfg.model_type not in LLAMA_LIKE:
+        return f"'{cfg.model_type}' is not one of {', '.join(sorted(LLAMA_LIKE))}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation '{cfg.hidden_act}' is not silu"
+    rope = _rope_type(cfg)
+    if rope not in STATIC_ROPE:
+        return f"rotary scaling '{rope}' changes with the sequence length"
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if float(rp.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        return "partial rotary embeddings"
+    return None
 
 
 def synchronize(device: torch.device) -> None:
@@ -42,12 +93,14 @@ class ForwardOut:
 
 
 class KVCache:
-    """Preallocated per-layer keys/values: [1, kv_heads, max_len, head_dim]."""
+    """Preallocated per-layer keys/values: [1, kv_heads, max_len, head_dim], and the position of
+    each row (what a sliding window compares)."""
 
     def __init__(self, *, n_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
         shape = (1, kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.row_positions = torch.zeros(max_len, dtype=torch.long, device=device)  # [max_len]
         self.max_len = max_len
         self.length = 0  # committed rows
         self.pending = 0  # rows written since the last commit
@@ -56,11 +109,12 @@ class KVCache:
     def end(self) -> int:
         return self.length + self.pending
 
-    def reserve(self, m: int) -> int:
-        """Claim m new pending rows; returns their first row."""
-        start = self.end
+    def reserve(self, positions: torch.Tensor) -> int:
+        """Claim len(positions) new pending rows at these positions [m]; returns their first row."""
+        start, m = self.end, positions.shape[0]
         if start + m > self.max_len:
             raise ValueError(f"sequence of {start + m} tokens exceeds the cache of {self.max_len}")
+        self.row_positions[start : start + m] = positions
         self.pending += m
         return start
 
@@ -74,6 +128,7 @@ class KVCache:
                 for kk, vv in zip(self.keys, self.values):
                     kk[:, :, first : first + k] = kk[:, :, rows]  # [1, kvh, k, hd]
                     vv[:, :, first : first + k] = vv[:, :, rows]
+                self.row_positions[first : first + k] = self.row_positions[rows]
             self.length += k
         self.pending = 0
 
@@ -94,6 +149,7 @@ class BatchKVCache:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    row_positions: torch.Tensor  # [B, max_len] position of each row (padding rows: anything, never seen)
     length: int = 0
 
 
@@ -128,6 +184,8 @@ class TreeLM:
         self.cache.commit_prefix(L)
         return out
 
+    window: int | None = None  # sliding window of the model's sliding layers (None: none)
+
     def full_mask(self, attend: torch.Tensor | None, m: int) -> torch.Tensor | None:
         """Boolean mask [m, committed + pending + m]: committed rows always visible."""
         c = self.cache
@@ -137,6 +195,18 @@ class TreeLM:
             attend = torch.ones(m, c.pending + m, dtype=torch.bool, device=self.device).tril_(c.pending)
         head = torch.ones(m, c.length, dtype=torch.bool, device=self.device)
         return torch.cat([head, attend], dim=1)
+
+    def window_mask(self, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+        """The sliding layers' mask [m, end] for new rows at `positions` [m] (rows already reserved):
+        `mask` (None: causal) and, once a position reaches the window, rows within it only. None
+        when it equals `mask` (no window, or every position below it)."""
+        w = self.window
+        if w is None or int(positions.max()) < w:
+            return None
+        end = self.cache.end
+        if mask is None:
+            mask = torch.ones(positions.shape[0], end, dtype=torch.bool, device=self.device)
+        return mask & (positions[:, None] - self.cache.row_positions[None, :end] < w)  # [m, end]
 
 
 def _fuse(linears) -> torch.Tensor:
@@ -149,6 +219,24 @@ def _fuse(linears) -> torch.Tensor:
         lin.weight.data = w[start : start + rows]
         start += rows
     return w
+
+
+def decoder_layer_weights(layer) -> dict:
+    """The weights of a Llama-math decoder layer in the fused layout `LlamaTreeLM` runs: qkv
+    [(H + 2KV) * hd, dim], o, gate_up [2 * inter, dim], down, the two norms, the QKV bias (or None)
+    and the QK-norm weights (q [hd], k [hd], or None). Separate projections (Llama, Qwen) are fused
+    into one matrix that the transformers modules then read through views; Phi-3's are fused already."""
+    a, m = layer.self_attn, layer.mlp
+    if isinstance(getattr(a, "qkv_proj", None), torch.nn.Linear):  # Phi-3
+        qkv, bqkv = a.qkv_proj.weight, a.qkv_proj.bias
+    else:
+        qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+        bqkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
+    gate_up = m.gate_up_proj.weight if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Linear) else _fuse([m.gate_proj, m.up_proj])
+    q_norm = getattr(a, "q_norm", None)
+    qk_norm = None if q_norm is None else (q_norm.weight, a.k_norm.weight)
+    return dict(qkv=qkv, bqkv=bqkv, o=a.o_proj.weight, gate_up=gate_up, down=m.down_proj.weight,
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight, qk_norm=qk_norm)
 
 
 def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
@@ -174,10 +262,9 @@ class LlamaTreeLM(TreeLM):
         self-drafter that shares the target's weights and tokenizer. `kernels`: the device's kernel
         table (`ogspo calibrate-kernels`); None runs every matmul with `F.linear`."""
         cfg = hf_model.config
-        if cfg.model_type not in LLAMA_LIKE:
-            raise ValueError(f"LlamaTreeLM supports {sorted(LLAMA_LIKE)}, not '{cfg.model_type}'")
-        if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
-            raise ValueError("LlamaTreeLM does not implement sliding-window attention; use backend 'hf'")
+        refusal = fast_path_refusal(cfg)
+        if refusal is not None:
+            raise ValueError(f"LlamaTreeLM cannot run this model: {refusal}; use backend 'hf'")
         self.hf_model = hf_model
         self.config = cfg
         inner = hf_model.model
@@ -189,22 +276,23 @@ class LlamaTreeLM(TreeLM):
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
         self.feature_layers = tuple(feature_layers)
+        layer_types, self.window = attention_layout(cfg)
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight
         self.layers = []
         fused = {c: [] for c in ("qkv", "o", "gate_up", "down")}
         with torch.no_grad():
-            for layer in inner.layers[: n_layers or len(inner.layers)]:
-                a, m = layer.self_attn, layer.mlp
-                bqkv = None
-                if a.q_proj.bias is not None:
-                    bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-                fused["qkv"].append(_fuse([a.q_proj, a.k_proj, a.v_proj]))  # [(H + 2KV) * hd, dim]
-                fused["o"].append(a.o_proj.weight)  # [dim, H * hd]
-                fused["gate_up"].append(_fuse([m.gate_proj, m.up_proj]))  # [2 * inter, dim]
-                fused["down"].append(m.down_proj.weight)  # [dim, inter]
-                self.layers.append(dict(ln1=layer.input_layernorm.weight, bqkv=bqkv, ln2=layer.post_attention_layernorm.weight))
+            for i, layer in enumerate(inner.layers[: n_layers or len(inner.layers)]):
+                w = decoder_layer_weights(layer)
+                fused["qkv"].append(w["qkv"])  # [(H + 2KV) * hd, dim]
+                fused["o"].append(w["o"])  # [dim, H * hd]
+                fused["gate_up"].append(w["gate_up"])  # [2 * inter, dim]
+                fused["down"].append(w["down"])  # [dim, inter]
+                self.layers.append(dict(ln1=w["ln1"], bqkv=w["bqkv"], ln2=w["ln2"], qk_norm=w["qk_norm"],
+                                        sliding=layer_types[i] == SLIDING))
+        # QK-norm and windows are torch ops only: the native ops do neither
+        self.torch_ops_only = any(L["qk_norm"] is not None for L in self.layers)
         shapes = {c: list(ws[0].shape) for c, ws in fused.items()} | {"lm_head": list(self.lm_head.shape)}
         self.layer_ops_shape = layer_ops_shape(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                                dim=self.embed.shape[1], inter=fused["gate_up"][0].shape[0] // 2)
@@ -238,7 +326,8 @@ class LlamaTreeLM(TreeLM):
         (looked up once per row count, like `Matmul.plan`)."""
         ops = self._ops_by_rows.get(m)
         if ops is None:
-            name = TORCH if self.kernels is None or self.device.type != "cpu" else self.kernels.layer_ops(m)
+            native_ok = self.kernels is not None and self.device.type == "cpu" and not self.torch_ops_only
+            name = self.kernels.layer_ops(m) if native_ok else TORCH
             ops = self._ops.get(name)
             if ops is None:
                 ops = self._ops[name] = make_layer_ops(name, n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -258,7 +347,8 @@ class LlamaTreeLM(TreeLM):
             x, h = ops.add_rmsnorm(x, r, L["ln1"])  # x: the output of layer i - 1
             if i - 1 in self.feature_layers:
                 feats[i - 1] = x.clone()  # the native ops update x in place
-            o = ops.rope_attention(mm["qkv"](i, h), L["bqkv"], step, keys[i], values[i])  # [B, m, H * hd]
+            o = ops.rope_attention(mm["qkv"](i, h), L["bqkv"], step, keys[i], values[i],
+                                   sliding=L["sliding"], qk_norm=L["qk_norm"])  # [B, m, H * hd]
             x, h = ops.add_rmsnorm(x, mm["o"](i, o), L["ln2"])
             r = mm["down"](i, ops.silu_mul(mm["gate_up"](i, h)))  # [B, m, dim]
         x, h = ops.add_rmsnorm(x, r, self.norm)
@@ -273,11 +363,13 @@ class LlamaTreeLM(TreeLM):
         m = tokens.shape[0]
         mask = self.full_mask(attend, m)  # [m, end+m] bool or None
         committed = c.length
-        start = c.reserve(m)
+        start = c.reserve(positions)
+        window = self.window_mask(mask, positions)  # [m, end+m] or None
         step = Step(positions=positions[None], start=start, committed=committed, attend=attend,
-                    mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin)
+                    mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin,
+                    window_mask=None if window is None else window[None, None])
         x = F.embedding(tokens, self.embed)[None]  # [1, m, dim]
-        h, features = self._layers(x, step, c.keys, c.values, self.layer_ops(m))
+        h, features = self._layers(x, step, c.keys, c.values, self._ops_torch if window is not None else self.layer_ops(m))
         h = h[0]  # [m, dim]
         if logits_rows is not None:
             h = h[logits_rows]
@@ -288,7 +380,8 @@ class LlamaTreeLM(TreeLM):
             raise ValueError(f"sequence of {max_len} tokens exceeds the rope table of {self.max_len}")
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         z = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        return BatchKVCache(keys=[z() for _ in self.layers], values=[z() for _ in self.layers])
+        return BatchKVCache(keys=[z() for _ in self.layers], values=[z() for _ in self.layers],
+                            row_positions=torch.zeros(batch, max_len, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def forward_batch(self, tokens, positions, cache: BatchKVCache, valid) -> ForwardOut:
@@ -301,7 +394,13 @@ class LlamaTreeLM(TreeLM):
         new = torch.ones(m, m, dtype=torch.bool, device=self.device).tril_() & valid[:, None, start : start + m]  # [B, m, m]
         new |= torch.eye(m, dtype=torch.bool, device=self.device)
         mask = torch.cat([valid[:, None, :start].expand(B, m, start), new], -1)[:, None]  # [B, 1, m, end]
-        step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin)
+        cache.row_positions[:, start : start + m] = positions
+        window = None
+        if self.window is not None and int(positions.max()) >= self.window:
+            near = positions[:, :, None] - cache.row_positions[:, None, : start + m] < self.window  # [B, m, end]
+            window = mask & near[:, None]  # a padding row (position 0) still sees itself
+        step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin,
+                    window_mask=window)
         x = F.embedding(tokens, self.embed)  # [B, m, dim]
         h, features = self._layers(x, step, cache.keys, cache.values, self._ops_torch)
         cache.length = start + m
@@ -337,20 +436,16 @@ class _PreallocatedLayer:
 
 
 class HFTreeLM(TreeLM):
-    """Tree forward through transformers' own modules (any architecture taking a 4-D float mask)."""
+    """Tree forward through transformers' own modules: any causal LM that takes a custom 4-D mask
+    and explicit position ids (every one here does), logits through its own head (Gemma's final
+    soft-capping included)."""
 
     def __init__(self, hf_model, *, max_len: int = 2048, feature_layers: tuple[int, ...] = ()):
         from transformers.cache_utils import Cache
 
         self.hf_model = hf_model
         self.config = cfg = hf_model.config
-        if getattr(cfg, "sliding_window", None) or getattr(cfg, "layer_types", None) and any(
-            t != "full_attention" for t in cfg.layer_types
-        ):
-            raise ValueError(
-                f"architecture '{cfg.model_type}' uses sliding-window or non-attention layers; tree attention "
-                "needs full attention with a custom 4-D mask"
-            )
+        self.layer_types, self.window = attention_layout(cfg)
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.vocab_size = cfg.vocab_size
@@ -374,6 +469,10 @@ class HFTreeLM(TreeLM):
         self._hf_cache = self._Cache(layers=[_PreallocatedLayer(kv, i) for i in range(self.n_layers)])
         return kv
 
+    def _bias(self, mask: torch.Tensor) -> torch.Tensor:
+        """Boolean mask [m, end] -> the additive float mask [1, 1, m, end] transformers takes."""
+        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+
     @torch.inference_mode()
     def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:
         c = self.cache
@@ -381,24 +480,28 @@ class HFTreeLM(TreeLM):
         mask = self.full_mask(attend, m)
         if mask is None:
             mask = torch.ones(1, c.end + 1, dtype=torch.bool, device=self.device)
-        c.reserve(m)
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
-        out = self.hf_model.model(
+        c.reserve(positions)
+        window = self.window_mask(mask, positions)
+        attention_mask = self._bias(mask)  # [1, 1, m, end]
+        if window is not None:
+            # one mask per attention kind: models with layer_types read the dict; the others (Mistral,
+            # Phi-3: every layer sliding) take the one tensor
+            sliding = self._bias(window)
+            attention_mask = sliding if SLIDING in self.layer_types and FULL not in self.layer_types else {
+                FULL: attention_mask, SLIDING: sliding}
+        out = self.hf_model(
             input_ids=tokens[None],
-            attention_mask=bias[None, None],  # [1, 1, m, end]
+            attention_mask=attention_mask,
             position_ids=positions[None],
             cache=self._hf_cache,
             use_cache=True,
             output_hidden_states=bool(self.feature_layers),
+            logits_to_keep=torch.arange(m, device=self.device) if logits_rows is None else logits_rows,
         )
-        h = out.last_hidden_state[0]  # [m, dim]
-        if logits_rows is not None:
-            h = h[logits_rows]
-        logits = self.hf_model.lm_head(h)
         feats = None
         if self.feature_layers:
-            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], -1)
-        return ForwardOut(logits=logits, features=feats)
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], -1)  # [m, n_feat * dim]
+        return ForwardOut(logits=out.logits[0], features=feats)
 
 
 def build_tree_lm(
@@ -408,7 +511,6 @@ def build_tree_lm(
     (the device's kernel table) applies to the 'llama' backend."""
     if backend not in ("auto", "llama", "hf"):
         raise ValueError(f"unknown backend '{backend}'; allowed: auto, llama, hf")
-    model_type = hf_model.config.model_type
-    if backend == "llama" or (backend == "auto" and model_type in LLAMA_LIKE and not getattr(hf_model.config, "sliding_window", None)):
+    if backend == "llama" or (backend == "auto" and fast_path_refusal(hf_model.config) is None):
         return LlamaTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers, kernels=kernels)
     return HFTreeLM(hf_model, max_len=max_len, feature_layers=feature_layers)
