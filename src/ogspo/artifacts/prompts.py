@@ -15,6 +15,22 @@ from pathlib import Path
 WORKLOADS = ("mtbench", "humaneval", "fortunes")
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(tokenizer.chat_template)
+
+
+def render_chat(tokenizer, text: str) -> str:
+    """`text` as one user turn through the model's chat template, ready for the assistant's answer:
+    the one place a chat prompt is rendered (workloads, head training data, `generate --chat`, the
+    Python API). A model without a template (neither its tokenizer nor its GGUF metadata had one)
+    raises one line."""
+    if not has_chat_template(tokenizer):
+        name = tokenizer.name_or_path or "this model"
+        raise ValueError(f"{name} has no chat template (neither its tokenizer nor its GGUF metadata has one): "
+                         "give raw prompts (no --chat, chat=False), or drop the chat workloads (workloads: {mtbench: null})")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+
+
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 

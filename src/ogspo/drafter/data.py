@@ -15,7 +15,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from ogspo.artifacts.prompts import read_fortunes
+from ogspo.artifacts.prompts import has_chat_template, read_fortunes, render_chat
 from ogspo.engine.target import TreeLM
 
 CHAT_VARIANTS = {
@@ -43,8 +43,7 @@ class Sequence:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tokenizer(s, add_special_tokens=False).input_ids
+    return tokenizer(render_chat(tokenizer, text), add_special_tokens=False).input_ids
 
 
 def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[list[int]]:
@@ -112,7 +111,9 @@ def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer,
                    seed: int) -> list[list[int]]:
     """Extra training prompts from corpora on every machine, never a workload prompt: fortunes the
     workloads did not select (as continuation prompts and as chat requests) and documented functions of
-    the standard library (as code prompts and as chat requests), `fortunes` and `functions` of each."""
+    the standard library (as code prompts and as chat requests), `fortunes` and `functions` of each.
+    A model without a chat template gets the continuation and code prompts only."""
+    chat = has_chat_template(tokenizer)
 
     out: list[list[int]] = []
     if fortunes > 0:
@@ -126,10 +127,12 @@ def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer,
         for j, i in enumerate(sorted(rng.permutation(len(pool))[:fortunes].tolist())):
             text = pool[i].text
             out.append(tokenizer(text, add_special_tokens=False).input_ids)
-            out.append(chat_ids(tokenizer, FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)))
+            if chat:
+                out.append(chat_ids(tokenizer, FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)))
     for j, (name, doc, text) in enumerate(stdlib_functions(max_functions=functions, seed=seed)):
         out.append(tokenizer(text, add_special_tokens=False).input_ids)
-        out.append(chat_ids(tokenizer, FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)))
+        if chat:
+            out.append(chat_ids(tokenizer, FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)))
     return out
 
 
@@ -302,9 +305,9 @@ def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], t
         for r, j in enumerate(idx):
             ids[r, : len(seqs[j])] = torch.tensor(seqs[j], device=model.device)
             att[r, : len(seqs[j])] = 1
-        res = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+        res = model(input_ids=ids, attention_mask=att, output_hidden_states=True)  # logits through the model's own head
         feats = torch.cat([res.hidden_states[layer + 1] for layer in feature_layers], -1)  # [b, w, 3D]
-        logits = model.lm_head(res.last_hidden_state)  # [b, w, V]
+        logits = res.logits  # [b, w, V]
         top_logits, top_ids = logits.topk(top_k, dim=-1)
         top_probs = (top_logits - torch.logsumexp(logits, -1, keepdim=True)).exp()  # [b, w, K]
         for r, j in enumerate(idx):

@@ -1,6 +1,6 @@
 """The EAGLE-3-style draft head.
 
-One decoder layer of the target's (Llama) architecture over a fusion of
+One Llama decoder layer, sized like the target's layers (any family the engine runs), over a fusion of
 - the target's hidden states at a low, a mid and a high layer (`fc`: 3D -> D), or, one step deeper
   into a draft, the head's own output at the parent node, and
 - the (frozen, shared) target embedding of the next token,
@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ogspo.engine.target import layer_projections
 
 
 @dataclass
@@ -48,12 +50,12 @@ class HeadConfig:
 
     @classmethod
     def for_target(cls, hf_model, *, draft_vocab: int) -> "HeadConfig":
+        """The head for `hf_model`: its layer sizes, its rotary table, and the feature layers chosen
+        from its depth (a low, a middle and a high layer, as EAGLE-3 reads them)."""
         cfg = hf_model.config
-        if cfg.model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"the EAGLE head needs a Llama-like target, not '{cfg.model_type}'")
         n = cfg.num_hidden_layers
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rot = hf_model.model.rotary_emb
+        inv_freq, scaling = target_rope(hf_model, hd)
         return cls(
             hidden=cfg.hidden_size,
             n_heads=cfg.num_attention_heads,
@@ -63,10 +65,32 @@ class HeadConfig:
             eps=cfg.rms_norm_eps,
             vocab=cfg.vocab_size,
             draft_vocab=min(draft_vocab, cfg.vocab_size),
-            feature_layers=(1, max(1, n // 2 - 1), max(1, n - 4)),
-            rope_theta_inv_freq=rot.inv_freq.float().tolist(),
-            rope_scaling=float(rot.attention_scaling),
+            feature_layers=feature_layers_for_depth(n),
+            rope_theta_inv_freq=inv_freq,
+            rope_scaling=scaling,
         )
+
+
+def feature_layers_for_depth(n: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high feature layers of an n-layer target (0-based, distinct where
+    n allows): layers 1, n/2 - 1 and n - 4 of a deep model, the first, middle and last of a shallow one."""
+    if n < 1:
+        raise ValueError(f"a target needs at least one layer, got {n}")
+    if n <= 6:
+        return (0, (n - 1) // 2, n - 1)
+    return (1, n // 2 - 1, n - 4)
+
+
+def target_rope(hf_model, head_dim: int) -> tuple[list[float], float]:
+    """The target's (full-attention) rotary frequencies and scaling, for the head's own rotary table:
+    transformers keeps them as `inv_freq` (Llama, Qwen, Phi-3, Mistral) or per attention kind
+    (`full_attention_inv_freq`, Gemma 3). A table of another shape gets the standard one."""
+    rot = hf_model.model.rotary_emb
+    for prefix in ("", "full_attention_"):
+        inv = getattr(rot, f"{prefix}inv_freq", None)
+        if isinstance(inv, torch.Tensor) and inv.numel() == head_dim // 2:
+            return inv.float().tolist(), float(getattr(rot, f"{prefix}attention_scaling", 1.0))
+    return (1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)).tolist(), 1.0
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,18 +129,20 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ building blocks
 
     def init_from_target(self, hf_model) -> None:
-        """Warm start: the decoder layer and final norm from the target's last layer; `fc` reads the
-        high-layer feature, `fuse` passes the feature through (the embedding path starts small)."""
-        last = hf_model.model.layers[-1]
+        """Warm start: `fc` reads the high-layer feature, `fuse` passes the feature through (the
+        embedding path starts small) and, where the target's last layer is Llama's math
+        (`layer_projections`), the decoder layer and final norm are copied from it; another
+        family's layer (Gemma's) keeps its random start."""
         D = self.cfg.hidden
         with torch.no_grad():
-            a, m = last.self_attn, last.mlp
-            for mine, theirs in [(self.q, a.q_proj), (self.k, a.k_proj), (self.v, a.v_proj), (self.o, a.o_proj),
-                                 (self.gate, m.gate_proj), (self.up, m.up_proj), (self.down, m.down_proj)]:
-                mine.weight.copy_(theirs.weight.float())
-            self.ln1.copy_(last.input_layernorm.weight.float())
-            self.ln2.copy_(last.post_attention_layernorm.weight.float())
-            self.norm.copy_(hf_model.model.norm.weight.float())
+            w = layer_projections(hf_model, -1)
+            if w is not None:
+                for mine, name in [(self.q, "q"), (self.k, "k"), (self.v, "v"), (self.o, "o"), (self.gate, "gate"),
+                                   (self.up, "up"), (self.down, "down")]:
+                    mine.weight.copy_(w[name].float())
+                self.ln1.copy_(w["ln1"].float())
+                self.ln2.copy_(w["ln2"].float())
+                self.norm.copy_(hf_model.model.norm.weight.float())
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * D :] = torch.eye(D, device=self.fc.weight.device)
             self.fuse.weight.normal_(0, 0.02)

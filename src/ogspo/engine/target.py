@@ -221,22 +221,41 @@ def _fuse(linears) -> torch.Tensor:
     return w
 
 
-def decoder_layer_weights(layer) -> dict:
+def decoder_layer_weights(layer, model_type: str) -> dict:
     """The weights of a Llama-math decoder layer in the fused layout `LlamaTreeLM` runs: qkv
     [(H + 2KV) * hd, dim], o, gate_up [2 * inter, dim], down, the two norms, the QKV bias (or None)
     and the QK-norm weights (q [hd], k [hd], or None). Separate projections (Llama, Qwen) are fused
     into one matrix that the transformers modules then read through views; Phi-3's are fused already."""
     a, m = layer.self_attn, layer.mlp
-    if isinstance(getattr(a, "qkv_proj", None), torch.nn.Linear):  # Phi-3
-        qkv, bqkv = a.qkv_proj.weight, a.qkv_proj.bias
+    if model_type == "phi3":
+        qkv, bqkv, gate_up = a.qkv_proj.weight, a.qkv_proj.bias, m.gate_up_proj.weight
     else:
         qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
         bqkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-    gate_up = m.gate_up_proj.weight if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Linear) else _fuse([m.gate_proj, m.up_proj])
-    q_norm = getattr(a, "q_norm", None)
-    qk_norm = None if q_norm is None else (q_norm.weight, a.k_norm.weight)
+        gate_up = _fuse([m.gate_proj, m.up_proj])
+    qk_norm = (a.q_norm.weight, a.k_norm.weight) if model_type == "qwen3" else None
     return dict(qkv=qkv, bqkv=bqkv, o=a.o_proj.weight, gate_up=gate_up, down=m.down_proj.weight,
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight, qk_norm=qk_norm)
+
+
+def layer_projections(hf_model, index: int) -> dict[str, torch.Tensor] | None:
+    """q, k, v, o, gate, up, down weights and the two norms of decoder layer `index` when the model's
+    layers are Llama's math (`fast_path_refusal`; Phi-3's fused matrices split by views), without
+    changing the module; None for another family (Gemma's scaled norms and GELU)."""
+    cfg = hf_model.config
+    if fast_path_refusal(cfg) is not None:
+        return None
+    layer = hf_model.model.layers[index]
+    a, m = layer.self_attn, layer.mlp
+    if cfg.model_type == "phi3":
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        q, k, v = a.qkv_proj.weight.split([cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd])
+        gate, up = m.gate_up_proj.weight.chunk(2)
+    else:
+        q, k, v = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+        gate, up = m.gate_proj.weight, m.up_proj.weight
+    return dict(q=q, k=k, v=v, o=a.o_proj.weight, gate=gate, up=up, down=m.down_proj.weight,
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight)
 
 
 def _rope_tables(inv_freq: torch.Tensor, scaling: float, max_len: int, dtype):
@@ -284,7 +303,7 @@ class LlamaTreeLM(TreeLM):
         fused = {c: [] for c in ("qkv", "o", "gate_up", "down")}
         with torch.no_grad():
             for i, layer in enumerate(inner.layers[: n_layers or len(inner.layers)]):
-                w = decoder_layer_weights(layer)
+                w = decoder_layer_weights(layer, cfg.model_type)
                 fused["qkv"].append(w["qkv"])  # [(H + 2KV) * hd, dim]
                 fused["o"].append(w["o"])  # [dim, H * hd]
                 fused["gate_up"].append(w["gate_up"])  # [2 * inter, dim]

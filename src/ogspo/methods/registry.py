@@ -9,7 +9,7 @@ from ogspo.drafter.runtime import EagleDrafter, load_head
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter, TreeDrafter
 from ogspo.engine.kernels import KernelTable
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
-from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm
+from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm, fast_path_refusal
 from ogspo.methods.ogspo import make_ogspo
 from ogspo.methods.routing import make_routing
 
@@ -65,6 +65,9 @@ def make_drafter(
     if name == "lookup":
         return PromptLookupDrafter()
     if name == "early-exit":
+        refusal = fast_path_refusal(target_model.config)
+        if refusal is not None:
+            raise ValueError(f"drafter 'early-exit' runs on the fast path only, and this model cannot: {refusal}")
         return LMDrafter(LlamaTreeLM(target_model, max_len=max_len, n_layers=early_exit_layers, kernels=kernels))
     raise ValueError(f"unknown drafter '{name}'; allowed: {', '.join(DRAFTERS)}")
 

@@ -38,7 +38,7 @@ from ogspo.engine import kernels as K
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.policies import StaticTree
-from ogspo.engine.target import LlamaTreeLM, TreeLM, synchronize
+from ogspo.engine.target import LlamaTreeLM, TreeLM, fast_path_refusal, synchronize
 from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix
 
 # Rank-path order of the bushy trees timed for t_verify: the first n-1 nodes of this template in
@@ -228,7 +228,13 @@ def calibrate_device_kernels(
     and whether it came from the cache. cfg: the `kernels` config section. The cache key is the device
     key (CPU model, torch version, threads, dtype), the weight shapes, the settings, the selection rule and the native
     kernel's source, so any change times afresh. Only CPU kernels are timed: on CUDA the table holds
-    the reference kernel (cuBLAS through F.linear) for every class."""
+    the reference kernel (cuBLAS through F.linear) for every class. A model off the fast path
+    (`fast_path_refusal`: Gemma, ...) runs through transformers' modules, which take no table: it
+    gets an empty one that says why."""
+    refusal = fast_path_refusal(hf_model.config)
+    if refusal is not None:
+        dtype = next(hf_model.parameters()).dtype
+        return K.reference_table({}, device, dtype, f"the transformers backend runs this model ({refusal}): no kernels to choose"), False
     lm = LlamaTreeLM(hf_model, max_len=8)  # reference kernels only: just to collect the fused weights
     weights = {c: [w.w for w in lm.mm[c].weights] for c in K.CLASSES}
     shapes = {c: list(ws[0].shape) for c, ws in weights.items()}

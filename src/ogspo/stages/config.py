@@ -204,9 +204,9 @@ def _format_error(error: jsonschema.ValidationError) -> str:
 
 def _check_model_source(model: Mapping) -> None:
     for key in ("path", "gguf_path"):
-        if key in model and not Path(model[key]).exists():
+        if key in model and not Path(model[key]).expanduser().exists():
             raise ConfigError(f"config error at 'model.{key}': {model[key]} does not exist")
-    if "gguf_path" in model and not Path(model["gguf_path"]).is_file():
+    if "gguf_path" in model and not Path(model["gguf_path"]).expanduser().is_file():
         raise ConfigError(f"config error at 'model.gguf_path': {model['gguf_path']} is not a file")
     if "gguf_package" in model:
         pkg_dir = find_package_dir(model["gguf_package"])

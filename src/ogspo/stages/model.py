@@ -2,7 +2,10 @@
 
 The prepared folder holds ``model.safetensors`` (or shards), ``config.json``, the tokenizer files and
 ``ogspo_model.json`` (checksum, source, load time). It loads in a few seconds, unlike the GGUF file
-(dequantised on every load).
+(dequantised on every load). A local Hugging Face folder that already holds safetensors weights is
+used in place: the prepared folder links to its files instead of copying them (the manifest records
+the weights' checksum, so a changed source is noticed). A GGUF file's chat template and special
+tokens come from its metadata when the converted tokenizer lacks them.
 """
 
 from __future__ import annotations
@@ -65,9 +68,54 @@ def _resolve_gguf(source: Mapping) -> tuple[Path, str] | None:
         gguf = Path(source["gguf_path"])
     else:
         return None
+    gguf = gguf.expanduser()
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file {gguf} does not exist")
     return gguf.parent, gguf.name
+
+
+GGUF_TOKEN_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                   "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_tokenizer_metadata(path: Path) -> dict:
+    """The chat template (`chat_template`, or None) and special-token ids (`bos_token`, ...) a GGUF
+    file's metadata holds."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    out: dict = {"chat_template": fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None}
+    for name, key in GGUF_TOKEN_KEYS.items():
+        if key in fields:
+            out[name] = int(fields[key].contents())
+    return out
+
+
+def complete_tokenizer(tokenizer, meta: Mapping) -> list[str]:
+    """Fill what the converted tokenizer lacks from GGUF metadata `meta`: the chat template and the
+    special tokens. Returns the names of what was filled."""
+    filled = []
+    if not tokenizer.chat_template and meta.get("chat_template"):
+        tokenizer.chat_template = meta["chat_template"]
+        filled.append("chat_template")
+    for name in GGUF_TOKEN_KEYS:
+        if name in meta and getattr(tokenizer, name) is None and 0 <= meta[name] < len(tokenizer):
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(meta[name]))
+            filled.append(name)
+    return filled
+
+
+def _linkable(folder: Path) -> bool:
+    """A local Hugging Face folder that can be used in place: safetensors weights, a config, a tokenizer."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors")) and any(
+        (folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def _link_folder(source: Path, tmp: Path) -> None:
+    """Link every file of `source` into `tmp` (absolute links: the prepared folder can move)."""
+    for f in sorted(source.iterdir()):
+        if f.is_file() and f.name != MANIFEST:
+            (tmp / f.name).symlink_to(f.resolve())
 
 
 def weights_checksum(folder: Path) -> str:
@@ -88,7 +136,6 @@ def weights_checksum(folder: Path) -> str:
 
 def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> PreparedModel:
     """Load the model source and save it as a safetensors folder at ``out_dir`` (atomically)."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
@@ -100,13 +147,16 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
         load_kwargs = {"gguf_file": fname}
         name_or_path = str(folder)
     elif "path" in source:
-        name_or_path = source["path"]
+        name_or_path = str(Path(source["path"]).expanduser())
         if not Path(name_or_path).is_dir():
             raise FileNotFoundError(f"model folder {name_or_path} does not exist")
         load_kwargs = {}
     else:
         name_or_path = source["hub_id"]
         load_kwargs = {"revision": source["revision"]} if source.get("revision") else {}
+
+    if "path" in source and _linkable(Path(name_or_path)):
+        return _prepare_in_place(Path(name_or_path), out_dir=out_dir, source=source, desc=desc, dtype=dtype)
 
     with tqdm(total=2, desc=f"load {desc}", leave=False, disable=None) as bar:
         t0 = time.perf_counter()
@@ -115,6 +165,7 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **load_kwargs)
         load_seconds = time.perf_counter() - t0
         bar.update(1)
+    filled = complete_tokenizer(tokenizer, gguf_tokenizer_metadata(Path(*gguf))) if gguf is not None else []
 
     # GGUF weights come back dequantised, but the model still carries the quantizer, and
     # save_pretrained refuses to save a "quantized" model: drop both.
@@ -122,31 +173,46 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         with tqdm(total=1, desc="save safetensors", leave=False, disable=None) as bar:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             bar.update(1)
+
+    checksum = _write_prepared(out_dir, write, {"source": desc, "source_config": dict(source), "dtype": dtype,
+                                                "source_load_seconds": round(load_seconds, 3), "from_gguf_metadata": filled})
+    return PreparedModel(path=out_dir, checksum=checksum, load_seconds=load_seconds, source=desc)
+
+
+def _prepare_in_place(folder: Path, *, out_dir: Path, source: Mapping, desc: str, dtype: str) -> PreparedModel:
+    """A prepared folder of links to `folder`'s files: no copy of the weights (loaded in `dtype`)."""
+    t0 = time.perf_counter()
+    checksum = _write_prepared(out_dir, lambda tmp: _link_folder(folder, tmp),
+                               {"source": desc, "source_config": dict(source), "dtype": dtype, "linked_from": str(folder.resolve())})
+    return PreparedModel(path=out_dir, checksum=checksum, load_seconds=time.perf_counter() - t0, source=desc)
+
+
+def _write_prepared(out_dir: Path, write, manifest: dict) -> str:
+    """Write a prepared folder at `out_dir` atomically: `write(tmp)` fills a temporary folder, then
+    the manifest (with the weights' checksum) joins it and it replaces `out_dir`. Returns the checksum."""
+    import torch
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(tmp)
         checksum = weights_checksum(tmp)
-        manifest = {
-            "checksum_sha256": checksum,
-            "source": desc,
-            "source_config": dict(source),
-            "dtype": dtype,
-            "source_load_seconds": round(load_seconds, 3),
-            "torch": torch.__version__,
-        }
+        manifest = {"checksum_sha256": checksum, **manifest, "torch": torch.__version__}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes 0700 folders; some writers make 0600 files
         for f in tmp.iterdir():
-            f.chmod(0o644)
+            if not f.is_symlink():
+                f.chmod(0o644)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return PreparedModel(path=out_dir, checksum=checksum, load_seconds=load_seconds, source=desc)
+    return checksum
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

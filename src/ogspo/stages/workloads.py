@@ -23,7 +23,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
-from ogspo.artifacts.prompts import WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_jsonl_prompts, read_mtbench
+from ogspo.artifacts.prompts import (
+    WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_jsonl_prompts, read_mtbench, render_chat,
+)
 
 
 
@@ -97,11 +99,7 @@ def split_ids(ids: Sequence[str], *, eval_fraction: float, seed: int, name: str,
 
 
 def render_prompt(prompt: RawPrompt, tokenizer) -> str:
-    if not prompt.chat:
-        return prompt.text
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False
-    )
+    return render_chat(tokenizer, prompt.text) if prompt.chat else prompt.text
 
 
 def build_table(name: str, prompts: Sequence[RawPrompt], *, wcfg: Mapping, seed: int, tokenizer):
