@@ -132,6 +132,8 @@ def test_batched_generation_equals_greedy_and_teacher_forcing():
 class _CharTokenizer:
     """Bytes as token ids; a chat template that wraps the request in markers."""
 
+    chat_template = "<user>{content}<assistant>"
+
     def __call__(self, text, add_special_tokens=False):
         return type("Enc", (), {"input_ids": list(text.encode())})()
 

@@ -94,8 +94,8 @@ class EagleDrafter(TreeDrafter):
         feats = self._features(target, slice(0, len(prompt)))  # [L, D]
         n = len(prompt) - 1
         if n > 0:
-            start = c.reserve(n)
             dev = self.device
+            start = c.reserve(torch.arange(c.end, c.end + n, device=dev))
             mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool, device=dev).tril_()  # causal over the prompt
             with torch.inference_mode():
                 self.head.step(torch.tensor(prompt[1:], device=dev), feats[:n], torch.arange(start, start + n, device=dev),
@@ -125,17 +125,18 @@ class EagleDrafter(TreeDrafter):
             feats = torch.cat(self.back_feats)  # [b, D]
             toks = torch.tensor(self.back_tokens + [int(tree.tokens[0])], device=dev)
             b = toks.shape[0]
-            start = c.reserve(b)
+            positions = torch.arange(c.end, c.end + b, device=dev)  # [b]
+            start = c.reserve(positions)
             causal = None if b == 1 else torch.ones(b, start + b, dtype=torch.bool, device=dev).tril_(start)  # [b, start + b]
-            out, logits = self.head.step(toks, feats, torch.arange(start, start + b, device=dev), c.keys[0], c.values[0], start,
-                                         causal)
+            out, logits = self.head.step(toks, feats, positions, c.keys[0], c.values[0], start, causal)
             c.commit_prefix(b - 1)
             self.back_feats, self.back_tokens = [], []
             self.node_row[0] = c.length
             self.node_out = {0: out[-1]}
             return self._expansion(logits[-1:], k)
         w = len(frontier)
-        start = c.reserve(w)
+        pos = torch.as_tensor(c.length + tree.depths[frontier], device=dev)  # [w]
+        start = c.reserve(pos)
         mask = np.zeros((w, start + w), dtype=bool)  # built on the host, sent once
         mask[:, : c.length] = True
         for i, f in enumerate(frontier):
@@ -145,7 +146,6 @@ class EagleDrafter(TreeDrafter):
                 a = tree.parents[a]
             mask[i, start + i] = True
         feat = torch.stack([self.node_out[int(tree.parents[f])] for f in frontier])  # [w, D]
-        pos = torch.as_tensor(c.length + tree.depths[frontier], device=dev)  # [w]
         out, logits = self.head.step(torch.as_tensor(tree.tokens[frontier], device=dev), feat, pos, c.keys[0], c.values[0], start,
                                      torch.as_tensor(mask, device=dev))
         self.node_row[frontier] = start + np.arange(w)

@@ -260,12 +260,14 @@ def load_tokenizer(path: Path):
 
 
 def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
-    """Load a prepared model folder: returns ``(model, tokenizer)``, model in eval mode on ``device``, in
-    ``dtype`` (default: the dtype the folder was prepared in, config key `dtype` of prepare_model)."""
+    """Load a prepared model folder (or any local Hugging Face folder): returns ``(model, tokenizer)``,
+    model in eval mode on ``device``, in ``dtype`` (default: the dtype the folder was prepared in,
+    config key `dtype` of prepare_model; float32 for an unprepared folder)."""
     from transformers import AutoModelForCausalLM
 
     path = check_model_dir(path)
-    torch_dtype = _torch_dtype(dtype or read_manifest(path).get("dtype", "float32"))
+    prepared = (path / MANIFEST).is_file()
+    torch_dtype = _torch_dtype(dtype or (read_manifest(path).get("dtype", "float32") if prepared else "float32"))
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     model.to(device)
