@@ -68,7 +68,7 @@ GTO_CFG = dict(group=4, tree=[10, 3, 3], context=16, eta=1.0, eps=0.2, delta=0.1
 
 
 def _gto_setup(seed=0):
-    target = tiny_model(seed).float()
+    target = tiny_model(seed, layers=4).float()  # feature layers 0, 1, 2: below the last
     head = make_head(target, seed=seed)
     g = torch.Generator().manual_seed(seed)
     texts = [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(4)]
@@ -186,5 +186,5 @@ def test_gto_steps_raise_the_reward_on_their_batch():
         opt.step()
     current.eval()
     _, last = gto_loss(current, reference, drafters, scorer, seqs, groups, t2d, GTO_CFG)
-    # measured here: reward 2.005 -> 2.018 (log-sum-exp over ~7 leaves moves little), accepted 0.37 -> 0.52
+    # the reward moves little (a log-sum-exp over ~7 leaves); the accepted length more
     assert last["reward"] > first["reward"] + 0.005 and last["accepted"] > first["accepted"] + 0.1, (first, last)

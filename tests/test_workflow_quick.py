@@ -15,6 +15,12 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 
 
+def readme_example() -> str:
+    """The Python block of the README's "Python API" section."""
+    text = (REPO / "README.md").read_text().split("## Python API", 1)[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
     device = f"ci-{tmp_path.name}"
     override = tmp_path / "ci.yaml"  # the model prepared once for the tests, not the GGUF again
@@ -48,5 +54,10 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
         md = (out / "report" / "report.md").read_text()
         assert "### A/A check" in md and "against the best baseline" in md and "TTFT p50" in md
         assert "## Draft heads" in md and " | base | " in md and " | gto | " in md and "Draft Tree Reward" in md
+        # the README's Python API example, on this run's results
+        example = readme_example().replace("results/cpu/", f"results/{device}/")
+        run = subprocess.run([sys.executable, "-c", example], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "per target pass" in run.stdout and run.stdout.split("\n")[0].strip()
     finally:
         shutil.rmtree(out, ignore_errors=True)

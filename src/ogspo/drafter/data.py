@@ -34,10 +34,24 @@ FUNCTION_QUESTIONS = (
 )
 
 
+def store_features(x: torch.Tensor) -> torch.Tensor:
+    """Target features as stored, on the CPU: float16 where they fit its range, else bfloat16 (float32's
+    range at the same size): Gemma's residual stream reaches 1e5, past float16's 65504, where float16
+    made them inf and the head's loss NaN."""
+    half = x.to(torch.float16)
+    return (half if bool(torch.isfinite(half).all()) else x.to(torch.bfloat16)).cpu()
+
+
+def join_features(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Stored feature chunks joined along `dim`, in bfloat16 if any chunk needed it."""
+    common = torch.bfloat16 if any(c.dtype == torch.bfloat16 for c in chunks) else chunks[0].dtype
+    return torch.cat([c.to(common) for c in chunks], dim)
+
+
 @dataclass
 class Sequence:
     tokens: torch.Tensor  # [n] int32
-    feats: torch.Tensor | None = None  # [n, 3D] float16 target hidden states at the feature layers
+    feats: torch.Tensor | None = None  # [n, 3D] target hidden states (`store_features`) at the feature layers
     top_ids: torch.Tensor | None = None  # [n, K] int32 target top-K ids of the next token
     top_p: torch.Tensor | None = None  # [n, K] float16 their probabilities
 
@@ -187,7 +201,7 @@ def generate_annotated(
             attend = torch.cat([own, torch.ones(n, n, dtype=torch.bool, device=dev).tril_()], dim=1)  # [n, pending + n]
             fwd = lm.forward(torch.tensor(prompts[i], device=dev), torch.arange(n, device=dev), attend)
             owner += [j] * n
-            feats[j].append(fwd.features.to(torch.float16).cpu())
+            feats[j].append(store_features(fwd.features))
             tops[j].append(_top(fwd.logits, top_k))  # [n, K]
             last.append(int(fwd.logits[-1].argmax()))
         active = [j for j in range(len(idx)) if max_new_tokens > 1 and last[j] != eos_token_id]
@@ -199,19 +213,19 @@ def generate_annotated(
             positions = torch.tensor([len(toks[j]) for j in active], device=dev)
             fwd = lm.forward(torch.tensor([last[j] for j in active], device=dev), positions, attend)
             ids, probs = _top(fwd.logits, top_k)  # [m, K]
-            f16 = fwd.features.to(torch.float16).cpu()  # [m, F]
+            stored = store_features(fwd.features)  # [m, F]
             nxt = fwd.logits.argmax(-1).tolist()
             for r, j in enumerate(active):
                 toks[j].append(last[j])
                 owner.append(j)
-                feats[j].append(f16[r : r + 1])
+                feats[j].append(stored[r : r + 1])
                 tops[j].append((ids[r : r + 1], probs[r : r + 1]))
                 last[j] = int(nxt[r])
             active = [j for j in active if last[j] != eos_token_id]
         for j, i in enumerate(idx):
             out[i] = Sequence(
                 tokens=torch.tensor(toks[j], dtype=torch.int32, device="cpu"),
-                feats=torch.cat(feats[j]),
+                feats=join_features(feats[j]),
                 top_ids=torch.cat([t[0] for t in tops[j]]),
                 top_p=torch.cat([t[1] for t in tops[j]]),
             )
@@ -256,7 +270,7 @@ def generate_batched(
             valid[r, : P - n] = False
         cache = lm.new_batch_cache(B, P + max_new_tokens)
         fwd = lm.forward_batch(tokens, positions, cache, valid)
-        feats, tops = [fwd.features.to(torch.float16).cpu()], [_top(fwd.logits, top_k)]  # [B, P, ...]
+        feats, tops = [store_features(fwd.features)], [_top(fwd.logits, top_k)]  # [B, P, ...]
         fed = torch.zeros(B, dtype=torch.long, device=dev)  # continuation tokens fed back per row
         alive = torch.ones(B, dtype=torch.bool, device=dev)
         last = positions[:, -1]
@@ -275,10 +289,10 @@ def generate_batched(
             last = last + 1
             fwd = lm.forward_batch(nxt[:, None], last[:, None], cache, valid)
             tokens = torch.cat([tokens, nxt[:, None]], 1)  # [B, P + steps]
-            feats.append(fwd.features.to(torch.float16).cpu())
+            feats.append(store_features(fwd.features))
             tops.append(_top(fwd.logits, top_k))
         tokens, fed = tokens.cpu(), fed.cpu()
-        feats_all = torch.cat(feats, 1)  # [B, P + steps, F]
+        feats_all = join_features(feats, 1)  # [B, P + steps, F]
         ids_all, p_all = torch.cat([t[0] for t in tops], 1), torch.cat([t[1] for t in tops], 1)
         for r, i in enumerate(idx):
             a, b = P - len(prompts[i]), P + int(fed[r])
@@ -314,7 +328,7 @@ def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], t
             n_j = len(seqs[j])
             out[j] = Sequence(
                 tokens=torch.tensor(seqs[j], dtype=torch.int32, device="cpu"),
-                feats=feats[r, :n_j].to(torch.float16).cpu().clone(),
+                feats=store_features(feats[r, :n_j]).clone(),
                 top_ids=top_ids[r, :n_j].to(torch.int32).cpu().clone(),
                 top_p=top_probs[r, :n_j].to(torch.float16).cpu().clone(),
             )

@@ -72,12 +72,13 @@ class HeadConfig:
 
 
 def feature_layers_for_depth(n: int) -> tuple[int, int, int]:
-    """EAGLE-3's low, middle and high feature layers of an n-layer target (0-based, distinct where
-    n allows): layers 1, n/2 - 1 and n - 4 of a deep model, the first, middle and last of a shallow one."""
-    if n < 1:
-        raise ValueError(f"a target needs at least one layer, got {n}")
+    """EAGLE-3's low, middle and high feature layers of an n-layer target (0-based): layers 1, n/2 - 1
+    and n - 4 of a deep model, 0, (n - 1)/2 and n - 2 of a shallow one. Never the last layer, whose
+    output transformers reports after the final norm (the engine's features are the residual stream)."""
+    if n < 2:
+        raise ValueError(f"the draft head reads features below the last layer: a target needs at least 2 layers, got {n}")
     if n <= 6:
-        return (0, (n - 1) // 2, n - 1)
+        return (0, (n - 1) // 2, n - 2)
     return (1, n // 2 - 1, n - 4)
 
 
