@@ -133,7 +133,7 @@ def test_cli_generate_rejects_unknown_method_in_one_line(capsys, tmp_path):
 
     assert main(["generate", "--model", str(tmp_path), "--method", "beam", "hello"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "ogspo: error: unknown method 'beam'; allowed: ar, chain, static, eagle, ogspo, routing"
+    assert err == "ogspo: error: unknown method 'beam'; allowed: ar, chain, static, eagle, ogspo, routing, or an exported policy folder"
 
 
 def test_cli_generate_rejects_open_structure(capsys, tmp_path):

@@ -119,7 +119,7 @@ def _method(policy, drafter, policy_args: dict) -> tuple[str, dict]:
         return str(policy), policy_args
     path = Path(policy)
     if not path.is_dir():
-        raise ValueError(f"policy {str(policy)!r} is neither a method ({', '.join(METHODS)}) nor an exported policy folder")
+        raise ValueError(f"unknown method '{policy}'; allowed: {', '.join(METHODS)}, or an exported policy folder")
     return "ogspo", {**policy_args, "policy_path": path}
 
 

@@ -91,7 +91,7 @@ def target_rope(hf_model, head_dim: int) -> tuple[list[float], float]:
         inv = getattr(rot, f"{prefix}inv_freq", None)
         if isinstance(inv, torch.Tensor) and inv.numel() == head_dim // 2:
             return inv.float().tolist(), float(getattr(rot, f"{prefix}attention_scaling", 1.0))
-    return (1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)).tolist(), 1.0
+    return (1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)).tolist(), 1.0
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

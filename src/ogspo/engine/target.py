@@ -160,6 +160,7 @@ class TreeLM:
     vocab_size: int
     cache: KVCache
     device: torch.device = torch.device("cpu")  # where the weights and the cache live
+    window: int | None = None  # sliding window of the model's sliding layers (None: none)
 
     def new_cache(self, max_len: int) -> KVCache:
         raise NotImplementedError
@@ -183,8 +184,6 @@ class TreeLM:
                            logits_rows=torch.tensor([L - 1], device=dev))
         self.cache.commit_prefix(L)
         return out
-
-    window: int | None = None  # sliding window of the model's sliding layers (None: none)
 
     def full_mask(self, attend: torch.Tensor | None, m: int) -> torch.Tensor | None:
         """Boolean mask [m, committed + pending + m]: committed rows always visible."""
