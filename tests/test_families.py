@@ -13,17 +13,40 @@ from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain
 from ogspo.engine.target import HFTreeLM, LlamaTreeLM, attention_layout, build_tree_lm, fast_path_refusal
 from ogspo.engine.tree import Structure, ancestor_matrix
+from ogspo.artifacts.size_rule import SizeRule
+from ogspo.methods.ogspo import OgspoTree
 
 PROMPTS = [[5, 9, 13, 2, 7], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13, 40]]  # the second starts past the window
 N_NEW = 40
 
 
+class SeededStops:
+    """A stand-in for OGSPO's exported stop policy: stops after a level with probability 0.3, from a
+    seeded generator, so cycles end at every depth."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.reset()
+
+    def reset(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    def __call__(self, tree, level, ctx) -> bool:
+        return bool(self.rng.random() < 0.3)
+
+
 def policies():
+    S = Structure([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
+    size = SizeRule(lam=50.0, edges=[-1.0], probs=[0.2, 0.9], verify_intercept=[0.01 + 0.002 * n for n in range(len(S) + 1)],
+                    verify_slope=[0.0] * (len(S) + 1), meta={})
     return [
         Autoregressive(),
         chain(4),
-        StaticTree(Structure([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])),
+        StaticTree(S),
         DynamicTree(total_tokens=12, depth=4, top_k=3),
+        # OGSPO's decode-time shape: its structure, stop decisions between levels, and the size rule
+        # verifying the top-V drafted nodes by confidence
+        OgspoTree(S, SeededStops(), size_rule=size),
     ]
 
 
