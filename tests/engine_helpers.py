@@ -3,6 +3,7 @@ margins and token-for-token comparisons test the engine, not float rounding."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -11,7 +12,7 @@ from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import LlamaTreeLM
-from ogspo.engine.tree import Structure
+from ogspo.engine.tree import Structure, ancestor_matrix
 
 
 def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
@@ -42,6 +43,32 @@ def make_head(target, seed=0, draft_vocab=48) -> EagleHead:
     for p in head.parameters():
         p.data.normal_(0, 0.3)
     return head.eval()
+
+
+def check_tree_forward(lm, model, ctx: torch.Tensor) -> None:
+    """After committing `ctx`, one tree forward gives every node the logits of its own root path run
+    as a plain sequence by `model`; keeping the path 0 -> 1 -> 3 (compaction) and forwarding one more
+    token gives the sequential logits again."""
+    L = len(ctx)
+    lm.forward(ctx, torch.arange(L), None)
+    lm.cache.commit_prefix(L)
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3])
+    depths = np.array([0, 1, 1, 2, 2, 2, 3])
+    tokens = torch.tensor([7, 11, 12, 20, 21, 30, 40])
+    out = lm.forward(tokens, torch.from_numpy(L + depths), torch.from_numpy(ancestor_matrix(parents, depths)))
+    for node in range(7):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        with torch.no_grad():
+            ref = model(torch.cat([ctx, tokens[path[::-1]]])[None]).logits[0, -1]
+        torch.testing.assert_close(out.logits[node], ref, atol=1e-5, rtol=1e-5)
+    lm.cache.commit(torch.tensor([L, L + 1, L + 3]))  # rows moved into place, their positions with them
+    assert lm.cache.length == L + 3 and lm.cache.pending == 0
+    nxt = lm.forward(torch.tensor([50]), torch.tensor([L + 3]), None)
+    with torch.no_grad():
+        ref = model(torch.cat([ctx, torch.tensor([7, 11, 20, 50])])[None]).logits[0, -1]
+    torch.testing.assert_close(nxt.logits[0], ref, atol=1e-5, rtol=1e-5)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

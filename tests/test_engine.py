@@ -1,15 +1,14 @@
 """Engine correctness on tiny float64 models: tree forwards, lossless greedy decoding, replay."""
 
-import numpy as np
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, tiny_model
+from engine_helpers import check_tree_forward, hf_greedy, tiny_model
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain
 from ogspo.engine.target import build_tree_lm
-from ogspo.engine.tree import Structure, ancestor_matrix
+from ogspo.engine.tree import Structure
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
 
@@ -27,29 +26,7 @@ def policies():
 @pytest.mark.parametrize("backend", ["llama", "hf"])
 def test_tree_forward_matches_sequential_logits(backend):
     model = tiny_model(0)
-    lm = build_tree_lm(model, backend=backend, max_len=64)
-    ctx = torch.tensor([5, 9, 13, 2])
-    lm.forward(ctx, torch.arange(4), None)
-    lm.cache.commit_prefix(4)
-    parents = np.array([-1, 0, 0, 1, 1, 2, 3])
-    depths = np.array([0, 1, 1, 2, 2, 2, 3])
-    tokens = torch.tensor([7, 11, 12, 20, 21, 30, 40])
-    out = lm.forward(tokens, torch.from_numpy(4 + depths), torch.from_numpy(ancestor_matrix(parents, depths)))
-    for node in range(7):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(int(parents[path[-1]]))
-        seq = torch.cat([ctx, tokens[path[::-1]]])
-        with torch.no_grad():
-            ref = model(seq[None]).logits[0, -1]
-        torch.testing.assert_close(out.logits[node], ref, atol=1e-5, rtol=1e-5)
-    # compaction: keep the path 0 -> 1 -> 3 and continue; logits must match the sequential ones
-    lm.cache.commit(torch.tensor([4, 5, 7]))
-    assert lm.cache.length == 7 and lm.cache.pending == 0
-    nxt = lm.forward(torch.tensor([50]), torch.tensor([7]), None)
-    with torch.no_grad():
-        ref = model(torch.tensor([[5, 9, 13, 2, 7, 11, 20, 50]])).logits[0, -1]
-    torch.testing.assert_close(nxt.logits[0], ref, atol=1e-5, rtol=1e-5)
+    check_tree_forward(build_tree_lm(model, backend=backend, max_len=64), model, torch.tensor([5, 9, 13, 2]))
 
 
 @pytest.mark.parametrize("drafter_kind", ["lm", "lookup"])

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import hf_greedy
+from engine_helpers import check_tree_forward, hf_greedy
+from ogspo.artifacts.size_rule import SizeRule
 from family_models import FAMILIES, WINDOW, family_model, perturbed
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain
 from ogspo.engine.target import HFTreeLM, LlamaTreeLM, attention_layout, build_tree_lm, fast_path_refusal
-from ogspo.engine.tree import Structure, ancestor_matrix
-from ogspo.artifacts.size_rule import SizeRule
+from ogspo.engine.tree import Structure
 from ogspo.methods.ogspo import OgspoTree
 
 PROMPTS = [[5, 9, 13, 2, 7], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13, 40]]  # the second starts past the window
@@ -84,30 +84,8 @@ def test_tree_forward_past_the_window_matches_sequential_logits(family, backend)
     root path run as one plain sequence (transformers' own sliding-window masking; without the
     window the logits differ by ~1, not 1e-5)."""
     model = family_model(family)
-    lm = build_tree_lm(model, backend=backend, max_len=64)
     assert attention_layout(model.config)[1] == WINDOW
-    ctx = torch.arange(3, 3 + 2 * WINDOW)  # a context twice the window
-    L = len(ctx)
-    lm.forward(ctx, torch.arange(L), None)
-    lm.cache.commit_prefix(L)
-    parents = np.array([-1, 0, 0, 1, 1, 2, 3])
-    depths = np.array([0, 1, 1, 2, 2, 2, 3])
-    tokens = torch.tensor([7, 11, 12, 20, 21, 30, 40])
-    out = lm.forward(tokens, torch.from_numpy(L + depths), torch.from_numpy(ancestor_matrix(parents, depths)))
-    for node in range(7):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(int(parents[path[-1]]))
-        seq = torch.cat([ctx, tokens[path[::-1]]])
-        with torch.no_grad():
-            ref = model(seq[None]).logits[0, -1]
-        torch.testing.assert_close(out.logits[node], ref, atol=1e-5, rtol=1e-5)
-    # keep the path 0 -> 1 -> 3 (rows moved into place, their positions with them) and go on
-    lm.cache.commit(torch.tensor([L, L + 1, L + 3]))
-    nxt = lm.forward(torch.tensor([50]), torch.tensor([L + 3]), None)
-    with torch.no_grad():
-        ref = model(torch.cat([ctx, torch.tensor([7, 11, 20, 50])])[None]).logits[0, -1]
-    torch.testing.assert_close(nxt.logits[0], ref, atol=1e-5, rtol=1e-5)
+    check_tree_forward(build_tree_lm(model, backend=backend, max_len=64), model, torch.arange(3, 3 + 2 * WINDOW))
 
 
 def test_unsupported_attention_kinds_are_refused_in_one_line():
