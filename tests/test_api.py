@@ -11,7 +11,7 @@ import transformers as tf
 import ogspo
 from engine_helpers import hf_greedy
 from family_models import COMMON
-from ogspo.artifacts.prompts import render_chat
+from ogspo.artifacts.prompts import render_chat, render_raw
 from ogspo.stages.model import MANIFEST, complete_tokenizer, gguf_tokenizer_metadata, prepare_model, weights_checksum
 
 
@@ -96,3 +96,22 @@ def test_gguf_metadata_fills_the_chat_template_and_special_tokens(tmp_path, qwen
     assert complete_tokenizer(tokenizer, meta) == ["chat_template", "bos_token"]
     assert render_chat(tokenizer, "hi") == "<u>hi</u><a>"
     assert tokenizer.bos_token == tokenizer.convert_ids_to_tokens(1)
+
+
+class _BosTokenizer:
+    """Adds BOS (id 1) in front of every encoding unless told not to, as Gemma's tokenizer does."""
+
+    bos_token, bos_token_id = "<s>", 1
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [1] * text.startswith("<s>") + [ord(c) for c in text.removeprefix("<s>")]
+        return type("Enc", (), {"input_ids": ([1] if add_special_tokens else []) + ids})()
+
+
+def test_raw_prompts_get_the_bos_token_where_the_tokenizer_adds_one(qwen3_folder):
+    from ogspo.api import encode_prompt
+
+    tok = _BosTokenizer()
+    assert render_raw(tok, "ab") == "<s>ab" and encode_prompt(tok, "ab", chat=False) == [1, 97, 98]
+    smol = tf.AutoTokenizer.from_pretrained(str(qwen3_folder))  # SmolLM2's adds none
+    assert render_raw(smol, "ab") == "ab" and encode_prompt(smol, "ab", chat=False) == smol("ab").input_ids

@@ -133,6 +133,7 @@ class _CharTokenizer:
     """Bytes as token ids; a chat template that wraps the request in markers."""
 
     chat_template = "<user>{content}<assistant>"
+    bos_token_id = None
 
     def __call__(self, text, add_special_tokens=False):
         return type("Enc", (), {"input_ids": list(text.encode())})()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ogspo.artifacts.prompts import render_chat
+from ogspo.artifacts.prompts import render_chat, render_raw
 from ogspo.engine.decode import GenerationResult, SpeculativeEngine
 from ogspo.engine.kernels import KernelTable, read_kernel_table
 from ogspo.methods.registry import DRAFTERS, METHODS, make_drafter, make_policy, make_target
@@ -43,9 +43,8 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
     """The one prompt tokeniser of the API and the CLI: raw text, or one user turn through the chat template."""
     if not prompt.strip():
         raise ValueError("empty prompt: give some text")
-    if chat:
-        return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
+    text = render_chat(tokenizer, prompt) if chat else render_raw(tokenizer, prompt)
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 class Decoder:

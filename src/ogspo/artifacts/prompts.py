@@ -19,6 +19,18 @@ def has_chat_template(tokenizer) -> bool:
     return bool(tokenizer.chat_template)
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts every encoding with its BOS token (Gemma, Llama 2; not SmolLM2)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos] != tokenizer("a", add_special_tokens=False).input_ids[:1]
+
+
+def render_raw(tokenizer, text: str) -> str:
+    """`text` as a raw continuation prompt, ready to tokenize with add_special_tokens=False: behind the
+    BOS token where the tokenizer would add one (a model such as Gemma degrades without it)."""
+    return tokenizer.bos_token + text if adds_bos(tokenizer) else text
+
+
 def render_chat(tokenizer, text: str) -> str:
     """`text` as one user turn through the model's chat template, ready for the assistant's answer:
     the one place a chat prompt is rendered (workloads, head training data, `generate --chat`, the

@@ -15,7 +15,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from ogspo.artifacts.prompts import has_chat_template, read_fortunes, render_chat
+from ogspo.artifacts.prompts import adds_bos, has_chat_template, read_fortunes, render_chat, render_raw
 from ogspo.engine.target import TreeLM
 
 CHAT_VARIANTS = {
@@ -84,11 +84,12 @@ def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int) -> 
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 200_000)
     rng = np.random.default_rng(seed)
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []  # each chunk starts as the model expects a text to
     out, total = [], 0
     for i in rng.permutation(len(files)):
         ids = tokenizer(files[i].read_text(errors="replace"), add_special_tokens=False).input_ids
-        for s in range(0, len(ids) - 32, seq_len):
-            out.append(ids[s : s + seq_len])
+        for s in range(0, len(ids) - 32, seq_len - len(bos)):
+            out.append(bos + ids[s : s + seq_len - len(bos)])
             total += len(out[-1])
             if total >= max_tokens:
                 return out
@@ -140,11 +141,11 @@ def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer,
         rng = np.random.default_rng(seed)
         for j, i in enumerate(sorted(rng.permutation(len(pool))[:fortunes].tolist())):
             text = pool[i].text
-            out.append(tokenizer(text, add_special_tokens=False).input_ids)
+            out.append(tokenizer(render_raw(tokenizer, text), add_special_tokens=False).input_ids)
             if chat:
                 out.append(chat_ids(tokenizer, FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)))
     for j, (name, doc, text) in enumerate(stdlib_functions(max_functions=functions, seed=seed)):
-        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+        out.append(tokenizer(render_raw(tokenizer, text), add_special_tokens=False).input_ids)
         if chat:
             out.append(chat_ids(tokenizer, FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)))
     return out

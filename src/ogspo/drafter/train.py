@@ -58,7 +58,7 @@ def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | No
                seed: int, work_dir: Path) -> list[Sequence]:
     gen_key = {k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "top_k", "extra_fortunes",
                                    "extra_functions", "sampled")} | {
-        "version": 4, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
+        "version": 5, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
     key = _hash(gen_key | {k: cfg[k] for k in ("stdlib_tokens", "seq_len")} | {"seed": seed})
     cache = work_dir / f"data-{key}.pt"
     if cache.is_file():

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
 from ogspo.artifacts.prompts import (
-    WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_jsonl_prompts, read_mtbench, render_chat,
+    WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_jsonl_prompts, read_mtbench, render_chat, render_raw,
 )
 
 
@@ -99,7 +99,7 @@ def split_ids(ids: Sequence[str], *, eval_fraction: float, seed: int, name: str,
 
 
 def render_prompt(prompt: RawPrompt, tokenizer) -> str:
-    return render_chat(tokenizer, prompt.text) if prompt.chat else prompt.text
+    return render_chat(tokenizer, prompt.text) if prompt.chat else render_raw(tokenizer, prompt.text)
 
 
 def build_table(name: str, prompts: Sequence[RawPrompt], *, wcfg: Mapping, seed: int, tokenizer):
