@@ -514,7 +514,7 @@ class HFTreeLM(TreeLM):
             cache=self._hf_cache,
             use_cache=True,
             output_hidden_states=bool(self.feature_layers),
-            logits_to_keep=torch.arange(m, device=self.device) if logits_rows is None else logits_rows,
+            logits_to_keep=0 if logits_rows is None else logits_rows,  # 0: every row
         )
         feats = None
         if self.feature_layers:
