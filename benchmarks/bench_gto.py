@@ -36,7 +36,7 @@ from ogspo.engine.decode import SpeculativeEngine  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.engine.policies import Autoregressive, DynamicTree  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
-from ogspo.stages.evaluate import load_prompts, rotated_order, slot_seed, tune_eagle  # noqa: E402
+from ogspo.stages.evaluate import load_prompts, slot_order, slot_seed, tune_eagle  # noqa: E402
 from ogspo.stages.model import load_target, model_checksum  # noqa: E402
 
 HEADS = ("base", "control", "gto")
@@ -118,7 +118,7 @@ def main() -> int:
         slot = 0
         for w, plist in evals.items():
             for pid, prompt in plist:
-                for j in rotated_order(len(HEADS), slot):
+                for j in slot_order(len(HEADS), slot // 2, slot):
                     h = HEADS[j]
                     r = engines[h].generate(prompt, max_new_tokens=args.tokens, seed=slot_seed(0, w, pid, 0))
                     taus[temp][w][h].append(r.tau)
@@ -131,7 +131,7 @@ def main() -> int:
     speed: dict[float, dict[str, dict[str, list[float]]]] = {}
     for temp in () if args.tau_only else temps:
         tuned[temp] = {h: tune_eagle(target=target, drafter=drafters[h], prompts=calib, grid=grid, temperature=temp,
-                                     max_new_tokens=args.tokens, seed=0, eos_token_id=tok.eos_token_id).winners
+                                     max_new_tokens=args.tokens, seed=0).winners
                        for h in ("base", "gto")}
         print(f"T={temp:g} tuned trees: {tuned[temp]}", file=sys.stderr)
         speed[temp] = {w: {m: [] for m in ("ar", "base", "gto")} for w in evals}
@@ -145,7 +145,7 @@ def main() -> int:
                                                drafter=drafters[h], temperature=temp, eos_token_id=tok.eos_token_id)
             names = list(engines)
             for pid, prompt in plist:
-                for j in rotated_order(len(names), slot):
+                for j in slot_order(len(names), slot // 2, slot):
                     r = engines[names[j]].generate(prompt, max_new_tokens=args.tokens, seed=slot_seed(0, w, pid, 0))
                     speed[temp][w][names[j]].append(r.throughput)
                 slot += 1

@@ -57,7 +57,7 @@ def replay_speed(K: int = 2000, C: int = 2000, seed: int = 0) -> tuple[float, in
     m = LatencyModel(
         sizes=[1, 16, 64, 128], contexts=[128, 768], verify_table=[[0.04, 0.05], [0.1, 0.12], [0.18, 0.2], [0.3, 0.33]],
         verify_intercept=[0.04, 0.1, 0.18, 0.3], verify_slope=[1e-5] * 4, slope_mode="global",
-        draft_widths=[1, 16], draft_table=[0.01, 0.03], fixed=0.002,
+        draft_widths=[1, 16], draft_table=[0.01, 0.03], fixed=0.002, fixed_ar=0.002, fixed_slope=0.0, catchup=[],
     )
     cyc = ReplayCycles(template=T, paths=paths, context_lengths=rng.integers(50, 800, C).astype(float),
                        node_depth=np.array([0] + [len(p) for p in tl] + [T.max_depth + 1]))

@@ -1,9 +1,11 @@
 # Stage: side-by-side evaluation (docs/DESIGN.md §7) and the report.
-# - tune_eagle: the fair EAGLE-3 baseline, a grid of dynamic trees decoded for real on train prompts,
-#   per workload, at one temperature (winner = highest median throughput).
+# - tune_eagle: the fair EAGLE-3 baseline, a grid of dynamic trees decoded for real on calib prompts,
+#   per workload, at one temperature (winner = highest geometric-mean throughput), with Sequoia's static
+#   tree beside it: the best baseline of each cell (ar, eagle-tuned, sequoia) is picked there.
 # - evaluate: every method of `evaluate.methods` on the held-out eval prompts of every workload at every
-#   records temperature, interleaved request by request in rotated order, with the T=0 lossless check
-#   (a real mismatch fails the job with one line naming method, workload and prompt).
+#   records temperature, interleaved request by request in mirrored seeded orders, every method generating
+#   the same number of tokens, with the T=0 lossless check (a real mismatch fails the job with one line
+#   naming method, workload and prompt).
 # - report: report/summary.json, report.md and PNG plots.
 # Method artifacts are passed as path templates, {T} = temperature tag (T0, T1).
 
@@ -29,6 +31,7 @@ rule tune_eagle:
         drafter=drafter_input,
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
         kernels=KERNELS,
+        sequoia=f"{RESULTS}/sequoia/T{{temperature}}",
     output:
         f"{RESULTS}/evaluate/tune_T{{temperature}}.json",
     wildcard_constraints:
@@ -49,7 +52,7 @@ rule tune_eagle:
     shell:
         "ogspo tune-eagle --config-json {params.config:q} --model {input.model} --drafter eagle"
         " --drafter-path {input.drafter} --kernels {input.kernels} --workloads {input.workloads} --temperature {wildcards.temperature}"
-        " --out {output} > {log} 2>&1"
+        " --static {input.sequoia}/structure.json --out {output} > {log} 2>&1"
 
 
 rule evaluate:

@@ -2,7 +2,9 @@
 # - ogspo_rounds: from the oracle's structure, alternate policy updates (backward induction) and structure
 #   updates (SCIP), each candidate policy checked by same-trace executions (the real engine, target and
 #   drafter re-running record cycles with their random numbers) and accepted only if its corrected J
-#   improves; rounds.parquet/png/json, same_trace.parquet, the final head policy.pt and structure.json.
+#   improves; then the keep/drop rule: the policy ships only if it beats every static tree (its S at any
+#   depth, Sequoia's) on held-out record requests, else that static tree ships (rounds.json "ship");
+#   rounds.parquet/png/json, same_trace.parquet, policy.pt (when the policy ships) and structure.json.
 # - export_policy: that head as the policy folder the `ogspo` method reads (policy.onnx, structure.json,
 #   export.json; an empty structure exports autoregressive decoding).
 # - train_policy_only: the policy-only ablation, the head trained with the full records template as
@@ -15,6 +17,7 @@ rule ogspo_rounds:
         records=expand(f"{RESULTS}/records/{{workload}}/T{{{{temperature}}}}/complete.flag", workload=WORKLOADS),
         latency=f"{RESULTS}/latency/latency.json",
         oracle=f"{RESULTS}/solve/oracle_T{{temperature}}.json",
+        sequoia=f"{RESULTS}/sequoia/T{{temperature}}",
         model=f"{RESULTS}/model",
         drafter=drafter_input,
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
@@ -41,7 +44,7 @@ rule ogspo_rounds:
     shell:
         "ogspo ogspo-rounds --config-json {params.config:q} --records {params.records} --latency {input.latency}"
         " --oracle {input.oracle} --model {input.model} --drafter eagle --drafter-path {input.drafter} --kernels {input.kernels}"
-        " --workloads {params.workloads} --out {output} > {log} 2>&1"
+        " --workloads {params.workloads} --sequoia {input.sequoia}/structure.json --out {output} > {log} 2>&1"
 
 
 rule export_policy:

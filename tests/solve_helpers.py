@@ -41,7 +41,8 @@ def synthetic_cycles(template: Structure, n_cycles: int, *, seed: int = 0, p0: f
     )
 
 
-def synthetic_latency(*, verify_base: float = 0.11, knee: int = 4, draft: float = 0.012, fixed: float = 0.004) -> LatencyModel:
+def synthetic_latency(*, verify_base: float = 0.11, knee: int = 4, draft: float = 0.012, fixed: float = 0.004,
+                      fixed_ar: float | None = None, fixed_slope: float = 0.0, catchup: tuple = ()) -> LatencyModel:
     """Roughly the 2-core CPU shape of docs/DESIGN.md §4: 1 token ~110 ms, 4-16 tokens ~180 ms, then rising."""
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     a = [verify_base, verify_base + 0.04, verify_base + 0.07, verify_base + 0.075, verify_base + 0.08,
@@ -52,5 +53,6 @@ def synthetic_latency(*, verify_base: float = 0.11, knee: int = 4, draft: float 
     return LatencyModel(
         sizes=sizes, contexts=contexts, verify_table=[[ai + bi * L for L in contexts] for ai, bi in zip(a, b)],
         verify_intercept=a, verify_slope=b, slope_mode="per-size", draft_widths=widths,
-        draft_table=[draft * (1 + 0.15 * (w - 1)) for w in widths], fixed=fixed, meta={"synthetic": True},
+        draft_table=[draft * (1 + 0.15 * (w - 1)) for w in widths], fixed=fixed, fixed_ar=fixed if fixed_ar is None else fixed_ar,
+        fixed_slope=fixed_slope, catchup=list(catchup), meta={"synthetic": True},
     )

@@ -82,7 +82,7 @@ def _latency(verify_at_128: float, draft: float = 0.0) -> LatencyModel:
     return LatencyModel(
         sizes=[1, 128], contexts=[100, 1000], verify_table=[[0.1, 0.1], [verify_at_128, verify_at_128]],
         verify_intercept=[0.1, verify_at_128], verify_slope=[0.0, 0.0], slope_mode="global", draft_widths=[1, 16],
-        draft_table=[draft, draft], fixed=0.0, meta={"synthetic": True},
+        draft_table=[draft, draft], fixed=0.0, fixed_ar=0.0, fixed_slope=0.0, catchup=[], meta={"synthetic": True},
     )
 
 

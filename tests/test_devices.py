@@ -110,7 +110,7 @@ def test_stages_create_every_tensor_on_the_configured_device(tmp_path):
     model, target, drafter = _eagle_setup(max_len=256)
     with explicit_devices_only():
         calibrate_latency(target=target, drafter=drafter, tree_sizes=[1, 4], context_lengths=[16, 32], draft_widths=[1, 2],
-                          reps=1, warmup=0, seed=0, held_out_sizes=(), held_out_contexts=(), fixed_cycles=2)
+                          reps=1, warmup=0, seed=0, held_out_sizes=(), held_out_contexts=(), fixed_tokens=4)
         collect_records(target=target, drafter=drafter, template=Structure.full([2, 1]), prompts=[PROMPT], temperature=1.0,
                         seed=0, max_new_tokens=6, out_dir=tmp_path / "records", shard_size=1, model_checksum="m" * 64,
                         drafter_id="eagle")

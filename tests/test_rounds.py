@@ -253,3 +253,64 @@ def test_policy_only_ablation_and_export_cli(records, tmp_path):
     with contextlib.redirect_stderr(err):
         rc = main(["export-policy", "--rounds", str(tmp_path / "missing"), "--out", str(tmp_path / "p2")])
     assert rc == 2 and err.getvalue().count("\n") == 1 and "has no structure.json" in err.getvalue()
+
+
+# ---------------------------------------------------------------- keep/drop rule (learn.ship)
+
+
+def test_compare_to_static_keeps_a_clear_win_and_not_a_tie():
+    from ogspo.learn.ship import compare_to_static
+
+    rng = np.random.default_rng(0)
+    C = 120
+    requests = np.array([f"r{i % 12}" for i in range(C)], dtype=object)
+    t = np.full((3, C), 0.1) * np.exp(0.05 * rng.standard_normal((3, C)))
+    A = np.vstack([np.full(C, 2.2), np.full(C, 2.0), np.full(C, 1.9)])  # the policy commits 10% more per second
+    win = compare_to_static(A=A, t=t, requests=requests, names=["S<=1", "sequoia"], seed=0)
+    assert win["best_static"] == "S<=1" and win["interval"][0] > 1.0
+    A_tie = np.vstack([np.full(C, 2.0), np.full(C, 2.0), np.full(C, 1.9)])
+    tie = compare_to_static(A=A_tie, t=np.repeat(t[:1], 3, axis=0), requests=requests, names=["S<=1", "sequoia"], seed=0)
+    assert tie["ratio"] == pytest.approx(1.0) and not tie["interval"][0] > 1.0
+
+
+def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_ships(records, tmp_path):
+    """A head that always stops after level 1 is S<=1 itself: it cannot beat that static tree, so the rule
+    ships the best static tree instead; the rounds folder exports to a static policy folder that the
+    lossless `ogspo` method decodes with (a StaticTree, no ONNX head)."""
+    from ogspo.engine.policies import StaticTree
+    from ogspo.learn.ship import decide_shipping, static_candidates
+
+    lat = synthetic_latency()
+    rec = load_records(records)
+    stop_now = threshold_head("max_cum_prob", 2.0)  # max_cum_prob <= 1 < 2: stop at every decision
+    sequoia = Structure([(0,), (0, 0)])
+    ship = decide_shipping(records=[rec], structure=SUB, head=stop_now, latency=lat, sequoia=sequoia, seed=0,
+                           holdout_fraction=0.34)
+    cands = static_candidates(SUB, sequoia)
+    assert not ship.keep_policy and ship.shipped in cands and "ships" in ship.reason
+    J = ship.figures["J_all"]
+    assert J["policy"] == pytest.approx(J["S<=1"])  # the policy is S<=1
+    assert ship.shipped == max(cands, key=lambda n: J[n]) and ship.structure.paths == cands[ship.shipped].paths
+    # through the stage outputs: no policy.pt, the static tree as structure.json, a static policy folder
+    res = rounds_mod.RoundsResult(rows=[], structure=SUB, head=stop_now, lam=1.0, incumbent_round=0, stop_reason="test",
+                                  oracle_throughput=None, same_trace=pl.DataFrame())
+    out = tmp_path / "rounds"
+    write_rounds(res, out, seed=0, records_dirs=[str(records)], ship=ship)
+    assert not (out / "policy.pt").exists()
+    assert json.loads((out / "rounds.json").read_text())["ship"]["keep_policy"] is False
+    exp = run_export_policy(rounds_dir=out, out_dir=tmp_path / "policy")
+    assert exp.export is None and not (tmp_path / "policy" / "policy.onnx").exists()
+    method = make_policy("ogspo", policy_path=tmp_path / "policy")
+    assert isinstance(method, StaticTree) and method.structure.paths == ship.structure.paths
+    target_model = tiny_model(0)
+    engine = SpeculativeEngine(target=build_tree_lm(target_model, max_len=256), policy=method,
+                               drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
+    assert engine.generate(PROMPTS[0], max_new_tokens=12).tokens == hf_greedy(target_model, PROMPTS[0], 12)
+
+
+def test_a_policy_folder_without_a_head_must_say_it_is_static(tmp_path):
+    from ogspo.artifacts.structure import write_structure
+
+    write_structure(SUB, tmp_path / "structure.json")
+    with pytest.raises(FileNotFoundError, match="policy.onnx"):
+        load_policy_dir(tmp_path)

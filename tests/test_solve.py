@@ -43,6 +43,30 @@ def test_oracle_matches_brute_force_and_charnes_cooper(case):
     assert a / t == pytest.approx(bf, rel=1e-6)
 
 
+def test_autoregressive_steps_are_booked_at_their_own_overhead():
+    """An empty structure's cycles are autoregressive steps (t_verify(1) + fixed_ar): the MILP, brute force
+    and the replay agree on it, and a tree cycle's overhead far above an AR step's makes AR the oracle's choice
+    where booking one t_fixed for both kinds would speculate."""
+    T = TINY[0]
+    cyc = synthetic_cycles(T, 40, seed=2, p0=0.45, context=(50, 900))
+    same = synthetic_latency(fixed=0.06)
+    cheap_ar = synthetic_latency(fixed=0.06, fixed_ar=0.0)
+    res_same = solve.solve_oracle(cycles=cyc, latency=same, template=T, config=FAST)
+    res_ar = solve.solve_oracle(cycles=cyc, latency=cheap_ar, template=T, config=FAST)
+    assert len(res_same.structure) > 0 and res_ar.structure == []
+    groups = solve.group_cycles(cycles=cyc, latency=cheap_ar, context_buckets=1)
+    bf, _, _ = solve.brute_force_oracle(groups=groups, template=T, latency=cheap_ar)
+    assert res_ar.throughput == pytest.approx(bf, rel=1e-6)
+    ar_J = len(cyc.context_lengths) / float(np.sum(cheap_ar.t_verify(1, cyc.context_lengths)))
+    assert res_ar.throughput == pytest.approx(ar_J, rel=1e-9)
+    # a per-node overhead of tree cycles and the drafter's catch-up per committed token are booked exactly too
+    # (MILP, brute force and replay agree: solve_oracle re-checks its solution against the replay)
+    sloped = synthetic_latency(fixed=0.004, fixed_ar=0.001, fixed_slope=0.003, catchup=(0.004, 0.001))
+    res = solve.solve_oracle(cycles=cyc, latency=sloped, template=T, config=FAST)
+    groups = solve.group_cycles(cycles=cyc, latency=sloped, context_buckets=1)
+    assert res.throughput == pytest.approx(solve.brute_force_oracle(groups=groups, template=T, latency=sloped)[0], rel=1e-6)
+
+
 def test_oracle_milp_objective_equals_replay_at_optimum():
     T = TINY[0]
     cyc = synthetic_cycles(T, 30, seed=5)
@@ -62,7 +86,8 @@ def test_oracle_milp_objective_equals_replay_at_optimum():
 def test_structure_update_matches_brute_force(case):
     T = TINY[case]
     cyc = synthetic_cycles(T, 30, seed=10 + case)
-    lat = synthetic_latency()
+    # case 2 books every overhead kind: AR steps, per-node overhead, the drafter's catch-up
+    lat = synthetic_latency() if case < 2 else synthetic_latency(fixed_ar=0.001, fixed_slope=0.002, catchup=(0.005, 0.0, 0.002))
     rng = np.random.default_rng(case)
     P = rng.dirichlet(np.ones(T.max_depth + 1), size=len(cyc.context_lengths))
     res = solve.solve_structure(cycles=cyc, latency=lat, stop_probs=P, template=T, config=FAST)

@@ -24,7 +24,7 @@ from ogspo.engine.tree import Structure
 from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_drafter, make_target
 from ogspo.offline.replay import replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_oracle
-from ogspo.stages.calibrate import calibrate_device_kernels, calibrate_latency, write_calibration
+from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_device_kernels, calibrate_latency, write_calibration
 from ogspo.stages.config import ConfigError, load_config
 from ogspo.stages.evaluate import (
     evaluate_methods,
@@ -32,6 +32,7 @@ from ogspo.stages.evaluate import (
     method_specs,
     oracle_throughputs,
     render_summary,
+    structure_policy,
     temperature_tag,
     tune_eagle,
     write_evaluation,
@@ -245,11 +246,12 @@ def _run_calibrate_latency(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args, ("latency", "seed", "torch_device"))
     lat = cfg["latency"]
-    target, drafter, checksum, drafter_id, _ = _load_model_drafter(args, cfg)
+    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
     cal = calibrate_latency(
         target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
         draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
         meta={"model_checksum": checksum, "drafter": drafter_id},
+        text_prompt=tok(CALIBRATION_TEXT, add_special_tokens=False).input_ids,
     )
     write_calibration(cal, json_path=args.out_json, png_path=args.out_png)
     m = cal.model
@@ -488,6 +490,7 @@ def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
     p.add_argument("--oracle", required=True, type=Path, help="oracle JSON (the rounds start from its structure)")
     p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (the records' prompts)")
+    p.add_argument("--sequoia", type=Path, help="Sequoia's structure.json: a static tree the policy must beat to ship")
     p.add_argument("--out", required=True, type=Path,
                    help="rounds folder to write (rounds.parquet/png/json, same_trace.parquet, policy.pt, structure.json)")
 
@@ -501,7 +504,8 @@ def _run_ogspo_rounds(args: argparse.Namespace) -> int:
         return target, drafter, tokenizer, checksum, drafter_id
 
     r = run_rounds_stage(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle, out_dir=args.out,
-                         load_engine=load_engine, workloads_dir=args.workloads, config=cfg, seed=cfg["seed"])
+                         load_engine=load_engine, workloads_dir=args.workloads, config=cfg, seed=cfg["seed"],
+                         sequoia_path=args.sequoia)
     if r.autoregressive:
         print(f"ogspo rounds: none run, the oracle's structure is empty (autoregressive decoding is best) -> {args.out}")
         return 0
@@ -509,7 +513,7 @@ def _run_ogspo_rounds(args: argparse.Namespace) -> int:
         print(f"round {row.round}: |S| {row.structure_size}, surrogate J {row.surrogate_J:.3f}, same-trace {row.same_trace_J:.3f} "
               f"(predicted {row.predicted_J:.3f}), corrected {row.corrected_J:.3f}, posterior bound {row.posterior_bound:.3f}, "
               f"{'accepted' if row.accepted else 'rejected'}")
-    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason} -> {args.out}")
+    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason}; {r.ship.reason} -> {args.out}")
     return 0
 
 
@@ -521,7 +525,8 @@ def _add_export_policy(p: argparse.ArgumentParser) -> None:
 def _run_export_policy(args: argparse.Namespace) -> int:
 
     r = run_export_policy(rounds_dir=args.rounds, out_dir=args.out)
-    what = "autoregressive (empty structure, no policy.onnx)" if r.export is None else f"policy.onnx ({r.export.bytes} bytes)"
+    what = (f"policy.onnx ({r.export.bytes} bytes)" if r.export is not None else "a static tree (no policy.onnx)"
+            if len(r.structure) else "autoregressive (empty structure, no policy.onnx)")
     print(f"exported {args.rounds}: {what}, |S| = {len(r.structure)} -> {args.out}")
     return 0
 
@@ -588,7 +593,9 @@ def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
     _add_model_drafter(p)
     p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (calib split is used)")
     p.add_argument("--temperature", required=True, type=float)
-    p.add_argument("--out", required=True, type=Path, help="tuning JSON to write (grid and winners per workload)")
+    p.add_argument("--static", type=Path, help="Sequoia's structure.json at this temperature: run beside the grid, so the "
+                   "best baseline (ar, eagle-tuned, sequoia) is picked on calib prompts")
+    p.add_argument("--out", required=True, type=Path, help="tuning JSON to write (grid, winners and best baseline per workload)")
 
 
 def _run_tune_eagle(args: argparse.Namespace) -> int:
@@ -599,8 +606,9 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
         raise ValueError(f"temperature {args.temperature} is not among records.temperatures {cfg['records']['temperatures']}")
     target, drafter, _, _, tok = _load_model_drafter(args, cfg)
     prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
+    static = None if args.static is None else structure_policy(args.static, "sequoia")
     res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
-                     max_new_tokens=ev["tune_max_new_tokens"], seed=cfg["seed"], eos_token_id=tok.eos_token_id,
+                     max_new_tokens=ev["tune_max_new_tokens"], seed=cfg["seed"], static=static,
                      progress=lambda line: print(line, flush=True))
     write_tuning(res, args.out)
     print(f"tuned EAGLE-3 at T={args.temperature:g}: {res.winners} in {res.seconds:.0f} s -> {args.out}")
@@ -643,7 +651,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     res = evaluate_methods(
         target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
         max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
-        latency=latency, oracle=oracle, eos_token_id=tok.eos_token_id, policy_device=cfg["torch_device"],
+        latency=latency, oracle=oracle, policy_device=cfg["torch_device"],
         light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
         progress=lambda line: print(line, flush=True),
     )

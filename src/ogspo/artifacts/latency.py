@@ -3,7 +3,14 @@
 t_verify(n, L) is a measured table over tree tokens n x context L, piecewise linear in n between
 table sizes and linear in L (per-size or global slope, whichever predicts the table better by
 leave-one-L-out, `fit_verify`); t_draft(w) is piecewise linear in the frontier width, t_draft(0) = 0;
-t_fixed is the per-cycle overhead. Measured by the stage `calibrate_latency` (`ogspo.stages.calibrate`).
+t_fixed is the per-cycle overhead, by cycle kind: `fixed_ar` for an autoregressive step (the root
+alone verified, nothing drafted: no drafter bookkeeping, a one-row sample), and for a speculative cycle
+`fixed + fixed_slope * (n - 1)` (greedy/rejection checks over n rows, the drafter's bookkeeping and
+cache compaction grow with the tree). A drafted cycle that commits A tokens also leaves A - 1 accepted
+tokens for the drafter to re-encode at the next cycle's first level (the EAGLE head's catch-up): that
+cost, t_catchup(A) = catchup[0] + ... + catchup[A - 2] (the j-th accepted token adds catchup[j - 1]; past
+the table, nothing), is booked on the cycle that commits them, so t_c depends on A like J does, and stays
+a sum over accepted path nodes (linear in the solvers' acceptance indicators). Measured by the stage `calibrate_latency` (`ogspo.stages.calibrate`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 from ogspo.artifacts.io import write_json
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: fixed_ar, the overhead of an autoregressive step
 
 
 def _interp(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -47,7 +54,10 @@ class LatencyModel:
     slope_mode: str  # "per-size" or "global"
     draft_widths: list[int]
     draft_table: list[float]  # medians per width
-    fixed: float  # t_fixed
+    fixed: float  # t_fixed of a speculative cycle (drafted tree verified)
+    fixed_ar: float  # t_fixed of an autoregressive step (root alone, nothing drafted)
+    fixed_slope: float  # seconds per verified node beyond the root, on top of `fixed`
+    catchup: list[float]  # seconds the j-th accepted token (j = 1..) adds to the next cycle's first draft level
     meta: dict = field(default_factory=dict)  # model checksum, drafter id, device, torch version, ...
 
     def t_verify(self, n, L):
@@ -62,10 +72,40 @@ class LatencyModel:
         ys = np.concatenate([[0.0], np.asarray(self.draft_table)])
         return np.where(w <= 0, 0.0, _interp(w, xs, ys))
 
-    def t_cycle(self, level_widths, n_verify, L):
-        """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed (level_widths: frontier widths)."""
-        draft = float(np.sum(self.t_draft(np.asarray(list(level_widths), dtype=np.float64)))) if len(level_widths) else 0.0
-        return draft + self.t_verify(n_verify, L) + self.fixed
+    def t_fixed(self, n_verify, drafted=None):
+        """Per-cycle overhead of a cycle verifying n nodes (root included): `fixed_ar` for an autoregressive
+        step (n = 1 and nothing drafted; `drafted` defaults to n > 1), else fixed + fixed_slope * (n - 1)."""
+        n = np.asarray(n_verify, dtype=np.float64)
+        drafted = n > 1 if drafted is None else np.asarray(drafted)
+        return np.where(drafted, self.fixed + self.fixed_slope * (n - 1), self.fixed_ar)
+
+    def fixed_offset(self, n_verify, drafted=None):
+        """t_fixed(n) - fixed: what a solver that books `fixed` per cycle adds to t_verify(n, L)."""
+        return self.t_fixed(n_verify, drafted) - self.fixed
+
+    def catchup_cum(self, k: int) -> np.ndarray:
+        """[k + 1] t_catchup(A) for A - 1 = 0..k (accepted drafted tokens)."""
+        inc = np.zeros(k)
+        m = min(k, len(self.catchup))
+        inc[:m] = self.catchup[:m]
+        return np.concatenate([[0.0], np.cumsum(inc)])
+
+    def t_catchup(self, accepted):
+        """The drafter's re-encoding of a drafted cycle's A committed tokens (A may be fractional: an
+        expectation, interpolated)."""
+        a = np.asarray(accepted, dtype=np.float64) - 1.0
+        cum = self.catchup_cum(len(self.catchup))
+        return np.interp(a, np.arange(len(cum), dtype=np.float64), cum)
+
+    def t_cycle(self, level_widths, n_verify, L, accepted=1):
+        """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n) + t_catchup(A) (level_widths:
+        frontier widths; A: tokens the cycle commits). A cycle that drafted nothing and verifies the root
+        alone is an autoregressive step (no drafter, so no catch-up either)."""
+        widths = np.asarray(list(level_widths), dtype=np.float64)
+        draft = float(np.sum(self.t_draft(widths))) if len(widths) else 0.0
+        n = np.asarray(n_verify)
+        drafted = (n > 1) | bool((widths > 0).any())
+        return draft + self.t_verify(n, L) + self.t_fixed(n, drafted) + np.where(drafted, self.t_catchup(accepted), 0.0)
 
     # ---- JSON
     def to_json(self) -> dict:
@@ -147,11 +187,14 @@ class LatencyCalibration:
     model: LatencyModel
     validation: list[dict]  # held-out shapes: {"n", "L", "measured", "predicted", "ape"}
     mdape: float  # median absolute percentage error on held-out shapes (fraction, 0.05 = 5%)
-    fixed_samples: list[float]
+    fixed_samples: list[list[float]]  # speculative cycles: [n verified, seconds outside draft and verify], per cycle
+    fixed_ar_samples: list[float]  # autoregressive steps: the same
+    catchup_samples: list[list[float]]  # [b, seconds of the first draft level with b tokens to re-encode]
     seconds: float  # wall time of the calibration
 
 
 def write_latency(cal: LatencyCalibration, path: str | Path) -> None:
-    """latency.json: {"model", "validation", "mdape", "fixed_samples", "seconds"}."""
+    """latency.json: {"model", "validation", "mdape", "fixed_samples", "fixed_ar_samples", "catchup_samples", "seconds"}."""
     write_json(path, {"model": cal.model.to_json(), "validation": cal.validation, "mdape": cal.mdape,
-                      "fixed_samples": cal.fixed_samples, "seconds": cal.seconds})
+                      "fixed_samples": cal.fixed_samples, "fixed_ar_samples": cal.fixed_ar_samples,
+                      "catchup_samples": cal.catchup_samples, "seconds": cal.seconds})

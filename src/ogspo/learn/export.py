@@ -7,7 +7,8 @@ rank paths), ``ogspo_lambda``, ``ogspo_version``, plus any ``ogspo_*`` extras gi
 
 A policy *folder* holds ``policy.onnx``, ``structure.json`` (``{"structure": [[0], [1], ...]}``) and
 ``export.json`` (what was exported from where). An empty structure (autoregressive decoding is best)
-comes without ``policy.onnx``. `write_policy_folder` writes one; `run_export_policy` (stage
+comes without ``policy.onnx``, and so does a static tree the keep/drop rule shipped instead of the
+policy (``export.json`` then says ``"static": true``). `write_policy_folder` writes one; `run_export_policy` (stage
 `export_policy`) writes one from a rounds folder's ``policy.pt`` + ``structure.json``.
 """
 
@@ -84,12 +85,15 @@ def export_policy(
 
 
 def write_policy_folder(*, head, structure: Structure, lam: float | None, out_dir: Path, info: dict) -> ExportResult | None:
-    """A policy folder: policy.onnx (not for an empty structure), structure.json and export.json
-    (`info` plus the export's size and time). Returns the ONNX export, None for an empty structure."""
+    """A policy folder: policy.onnx (when there is a head and a structure), structure.json and export.json
+    (`info` plus the export's size and time). Returns the ONNX export, None without one. A non-empty
+    structure without a head is a static tree and needs `info["static"]`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if head is None and len(structure) > 0 and not info.get("static"):
+        raise ValueError("a policy folder with a structure needs a policy head (or info['static'] for a static tree)")
     exp = None
-    if len(structure) > 0:
+    if head is not None and len(structure) > 0:
         exp = export_policy(head=head, path=out_dir / POLICY_FILE, structure=structure, lam=lam,
                             extra={k: v for k, v in info.items() if isinstance(v, (str, int, float))})
     stale = out_dir / POLICY_FILE
@@ -97,7 +101,7 @@ def write_policy_folder(*, head, structure: Structure, lam: float | None, out_di
         stale.unlink()
     write_structure(structure, out_dir / STRUCTURE_FILE)
     report = {
-        **info, "autoregressive": len(structure) == 0, "structure": structure.to_list(), "lambda": lam,
+        **info, "autoregressive": len(structure) == 0, "static": bool(info.get("static")), "structure": structure.to_list(), "lambda": lam,
         "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
         "onnx_bytes": exp.bytes if exp else 0, "export_seconds": exp.seconds if exp else 0.0,
     }

@@ -64,6 +64,7 @@ from ogspo.engine.policies import CycleContext, StaticTree
 from ogspo.engine.target import TreeLM
 from ogspo.engine.tree import DraftTree, Structure
 from ogspo.learn.export import export_policy
+from ogspo.learn.ship import ShipDecision
 from ogspo.learn.policy import (
     PolicyData,
     PolicyHead,
@@ -83,6 +84,8 @@ RECENT = FEATURE_NAMES.index("recent_accept")
 
 def rounds_settings(config: dict | None) -> dict:
     cfg = settings("rounds", config)
+    if float(cfg["keep_margin"]) < 0:
+        raise ValueError(f"rounds.keep_margin must be >= 0, got {cfg['keep_margin']}")
     if not 0 <= float(cfg["epsilon"]) <= 1:
         raise ValueError(f"rounds.epsilon must be in [0, 1], got {cfg['epsilon']}")
     if int(cfg["max_rounds"]) < 1 or int(cfg["prompts_per_workload"]) < 1 or int(cfg["max_new_tokens"]) < 1:
@@ -317,6 +320,7 @@ class RoundsResult:
     same_trace: pl.DataFrame  # every round's executed cycles (`SAME_TRACE_SCHEMA` + round)
     structures: list[list[list[int]]] = field(default_factory=list)  # S_r per round
     settings: dict = field(default_factory=dict)
+    ship: ShipDecision | None = None  # the keep/drop rule's decision (`learn.ship`), set by the rounds stage
 
     @property
     def autoregressive(self) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ogspo.artifacts.policy_folder import INPUT_NAME, POLICY_FILE
+from ogspo.artifacts.policy_folder import EXPORT_FILE, INPUT_NAME, POLICY_FILE
 from ogspo.artifacts.size_rule import SIZE_FILE, SizeRule, read_size_rule
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.policies import Autoregressive, CycleContext, Draft, StaticTree, TreePolicy
@@ -111,7 +111,8 @@ def _seconds_per_call(session, calls: int = 200) -> float:
 
 def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "OnnxPolicy | None", SizeRule | None]:
     """(structure, ONNX policy, size rule or None) of a policy folder; the policy and the structure must
-    agree. An empty structure (the oracle chose autoregressive decoding) comes without a policy."""
+    agree. An empty structure (the oracle chose autoregressive decoding) comes without a policy, and so
+    does a static tree the keep/drop rule shipped (export.json says "static": true)."""
 
     path = Path(path)
     if not path.is_dir():
@@ -121,6 +122,8 @@ def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "Onn
     structure = load_structure(path / STRUCTURE_FILE)
     if len(structure) == 0:  # the oracle chose not to draft: no head was trained
         return structure, None, None
+    if not (path / POLICY_FILE).is_file() and _is_static(path):  # the policy lost to a static tree: no head ships
+        return structure, None, None
     policy = OnnxPolicy(path / POLICY_FILE, device=device)
     if policy.structure is not None and policy.structure.paths != structure.paths:
         raise ValueError(f"policy folder {path}: {STRUCTURE_FILE} differs from the structure the policy was trained for")
@@ -128,6 +131,13 @@ def load_policy_dir(path: Path, *, device: str = "cpu") -> tuple[Structure, "Onn
     if size is not None and size.max_nodes < len(structure):
         raise ValueError(f"policy folder {path}: {SIZE_FILE} covers {size.max_nodes} nodes, the structure has {len(structure)}")
     return structure, policy, size
+
+
+def _is_static(path: Path) -> bool:
+    try:
+        return json.loads((path / EXPORT_FILE).read_text()).get("static") is True
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 class OgspoTree(StaticTree):
@@ -175,6 +185,8 @@ def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list |
     S, hook, size = load_policy_dir(Path(policy_path), device=device)
     if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively
         return Autoregressive(name=name)
+    if hook is None:  # the keep/drop rule shipped a static tree instead of the policy
+        return StaticTree(S, name=name)
     if structure is not None:
         given = load_structure(structure)
         if given.paths != S.paths:

@@ -5,7 +5,9 @@ accepted under S_{<=d} is the longest prefix of the T-path that lies in S_{<=d},
 
     A_c(S, d) = 1 + min(k_c(S), d),   k_c(S) = length of the longest prefix of cycle c's accepted
                                       T-path whose nodes are all in S (once one is outside, stop)
-    t_c(S, d) = sum_{l<=d} t_draft(w_l(S)) + t_verify(|S_{<=d}| + 1, L_c) + t_fixed
+    t_c(S, d) = sum_{l<=d} t_draft(w_l(S)) + t_verify(|S_{<=d}| + 1, L_c) + t_fixed(|S_{<=d}| + 1) + t_catchup(A_c)
+
+(t_fixed of an autoregressive step, and no catch-up, when S_{<=d} is empty: nothing was drafted.)
 
 with w_l(S) the frontier width of level l (nodes of S at depth l-1 that have children in S).
 
@@ -120,7 +122,7 @@ def cycle_times(masks: np.ndarray, T: Structure, depths: np.ndarray, context_len
     d = np.broadcast_to(d[:, None] if d.ndim == 1 else d, (K, C)).clip(0, D)  # [K, C]
     rows = np.arange(K)[:, None]
     n = size_cum[rows, d] + 1  # [K, C]
-    return draft_cum[rows, d] + model.t_verify(n, np.asarray(context_lengths)[None, :]) + model.fixed
+    return draft_cum[rows, d] + model.t_verify(n, np.asarray(context_lengths)[None, :]) + model.t_fixed(n)
 
 
 @dataclass
@@ -140,5 +142,6 @@ def replay(
     """A_c and t_c of every (structure, stop depth) over every recorded cycle."""
     masks = np.stack([structure_mask(S, cycles.template) for S in structures])  # [K, N]
     acc = accepted_lengths(masks, cycles.paths, depths)
-    secs = np.zeros((0, 0)) if model is None else cycle_times(masks, cycles.template, depths, cycles.context_lengths, model)
+    secs = np.zeros((0, 0)) if model is None else (
+        cycle_times(masks, cycles.template, depths, cycles.context_lengths, model) + model.t_catchup(acc))  # [K, C]
     return ReplayResult(accepted=acc, seconds=secs)

@@ -174,8 +174,9 @@ def frontier_widths(S: Structure) -> list[int]:
     return widths
 
 
-def modelled_seconds(S: Structure, latency: LatencyModel, context_length: float) -> float:
-    return float(latency.t_cycle(frontier_widths(S), len(S) + 1, context_length))
+def modelled_seconds(S: Structure, latency: LatencyModel, context_length: float, expected: float = 1.0) -> float:
+    """t_cycle of the static tree S at context L, committing `expected` tokens on average (its catch-up)."""
+    return float(latency.t_cycle(frontier_widths(S), len(S) + 1, context_length, accepted=expected))
 
 
 # ---------------------------------------------------------------- stage
@@ -246,7 +247,7 @@ def sequoia_tree(*, cycles: ReplayCycles, latency: LatencyModel, config: dict | 
             expected.append(0.0), seconds.append(0.0), J.append(0.0)
             continue
         e = float(trees.expected[n])
-        s = modelled_seconds(S, latency, L)
+        s = modelled_seconds(S, latency, L, expected=e)
         expected.append(e), seconds.append(s), J.append(e / s)
     size = int(np.argmax(J))
     chosen = trees.structures[size]

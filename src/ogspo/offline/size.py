@@ -6,7 +6,7 @@ subset). With the same random numbers, the path accepted under such a subset is 
 of the cycle's accepted T-path inside it (docs/DESIGN.md §3), so the records answer every (d, V):
 
     A_c(d, V) = 1 + #{accepted-path nodes of S among the top V of S_{<=d}}
-    t_c(d, V) = sum_{l<=d} t_draft(w_l(S)) + t_verify(V + 1, L_c) + t_fixed
+    t_c(d, V) = sum_{l<=d} t_draft(w_l(S)) + t_verify(V + 1, L_c) + t_fixed(V + 1)
 
 `size_tables` builds both as [C, D, N + 1] arrays (V = 0 .. N = |S|; V > |S_{<=d}| is illegal and
 masked). `extended_bound` is the oracle over the same action space (per-cycle best (d, V), exact
@@ -97,7 +97,9 @@ def size_tables(data: SizeData, latency: LatencyModel) -> tuple[np.ndarray, np.n
     widths, _ = level_profile(structure_mask(data.structure, data.structure)[None], data.structure)  # [1, D]
     draft_cum = np.cumsum(latency.t_draft(widths[0]))  # [D]
     verify = latency.t_verify(np.arange(1, N + 2)[None, :], data.context_lengths[:, None])  # [C, N + 1]
-    t = draft_cum[None, :, None] + verify[:, None, :] + latency.fixed  # [C, D, N + 1]
+    fixed = latency.t_fixed(np.arange(1, N + 2), drafted=True)  # [N + 1] every option here drafted first
+    t = draft_cum[None, :, None] + verify[:, None, :] + fixed[None, None, :]  # [C, D, N + 1]
+    t = t + latency.t_catchup(np.where(legal, A, 1.0))  # the drafter re-encodes what the cycle commits
     return A, t, legal
 
 
@@ -179,8 +181,8 @@ def fit_size_rule(*, data: SizeData, depths: np.ndarray, latency: LatencyModel, 
     edges, probs = fit_calibration(data.cum, data.on_path, bins=bins)
     N = data.cum.shape[1]
     n = np.arange(1, N + 2)
-    a = latency.t_verify(n, 0.0)
-    b = latency.t_verify(n, 1.0) - a
+    a = latency.t_verify(n, 0.0) + latency.fixed_offset(n, drafted=True)  # the per-node overhead is a verify cost too
+    b = latency.t_verify(n, 1.0) - latency.t_verify(n, 0.0)
     A, t, _ = size_tables(data, latency)
     rule = SizeRule(lam=float(lam), edges=edges, probs=probs, verify_intercept=[float(x) for x in a],
                     verify_slope=[float(x) for x in b], meta=dict(meta or {}))

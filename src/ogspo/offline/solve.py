@@ -108,9 +108,11 @@ class CycleGroups:
 
 
 def verify_table(cycles: ReplayCycles, latency: LatencyModel) -> np.ndarray:
-    """t_verify(n + 1, L_c) for every cycle and n = 0..N. [C, N + 1]"""
+    """t_verify(n + 1, L_c) for every cycle and n = 0..N, plus `fixed_offset`: n = 0 (nothing drafted
+    at depth 0 or an empty S) is an autoregressive step, whose overhead is `fixed_ar`, not the
+    `fixed` the programs book per cycle. [C, N + 1]"""
     n = np.arange(len(cycles.template) + 1)
-    return latency.t_verify(n[None, :] + 1, cycles.context_lengths[:, None])
+    return latency.t_verify(n[None, :] + 1, cycles.context_lengths[:, None]) + latency.fixed_offset(n + 1)[None, :]
 
 
 def group_cycles(*, cycles: ReplayCycles, latency: LatencyModel, context_buckets: int = 4) -> CycleGroups:
@@ -206,6 +208,7 @@ def build_oracle_milp(
     dmin, D = _depth_range(info, min_depth, max_depth)
     enc = _structure_vars(info, latency, D)
     m = enc.milp
+    inc = np.concatenate([[0.0], np.diff(latency.catchup_cum(D))])  # [D + 1] catch-up of the j-th accepted token
     W = groups.weights.astype(np.float64)
     m.num_const = float(W.sum())
     m.den_const = float(W.sum() * latency.fixed)
@@ -233,6 +236,7 @@ def build_oracle_milp(
             if j > dmin:
                 m.row({z: 1.0, **{i: -c for i, c in Y.get(j, {}).items()}}, "<=", 0.0)
             add_coef(m.num, z, W[g])
+            add_coef(m.den, z, W[g] * float(inc[j]))  # the drafter re-encodes the j-th accepted token
         # Draft time, disaggregated by width: r_{g,l,w} <= q_{l,w}, sum_w r_{g,l,w} = Y_{g,l}; pays
         # sum_w t_draft(w) r_{g,l,w} (at integer q, r sits on the one width q selects).
         for l in range(dmin + 1, top + 1):
@@ -257,7 +261,8 @@ def build_oracle_milp(
                 add_coef(m.den, sv, float(tv[n]))
             m.row(row, "==", 0.0)
     m.den_lower = m.den_const + float(groups.verify.min(axis=1).sum())
-    m.den_upper = m.den_const + float(groups.verify.max(axis=1).sum()) + W.sum() * sum(draft_max.values())
+    m.den_upper = (m.den_const + float(groups.verify.max(axis=1).sum()) + W.sum() * sum(draft_max.values())
+                   + W.sum() * float(inc.sum()))
     m.den_upper = max(m.den_upper, m.den_lower * (1 + 1e-9))
     return enc
 
@@ -273,6 +278,7 @@ def build_structure_milp(
         raise ValueError("stop_probs rows must be probability distributions over stop depths 0..D")
     enc = _structure_vars(info, latency, D)
     m = enc.milp
+    inc = np.concatenate([[0.0], np.diff(latency.catchup_cum(D))])  # [D + 1] catch-up of the j-th accepted token
     reach = np.cumsum(P[:, ::-1], axis=1)[:, ::-1]  # [C, D+1] P(d >= j)
     m.num_const = float(C)
     m.den_const = float(C * latency.fixed)
@@ -282,6 +288,7 @@ def build_structure_milp(
             if v == pad:
                 break
             add_coef(m.num, int(enc.x[v]), reach[c, j])
+            add_coef(m.den, int(enc.x[v]), reach[c, j] * float(inc[j]))
     reach_tot = reach.sum(0)
     for l in range(1, D + 1):
         for i, t in enc.draft_expr[l].items():
@@ -353,7 +360,7 @@ def replay_totals(
     mask = structure_mask(structure, cycles.template)[None]
     d = np.asarray(cycle_depths)[None]
     acc = accepted_lengths(mask, cycles.paths, d)
-    secs = cycle_times(mask, cycles.template, d, cycles.context_lengths, latency)
+    secs = cycle_times(mask, cycles.template, d, cycles.context_lengths, latency) + latency.t_catchup(acc)
     return float(acc.sum()), float(secs.sum())
 
 
@@ -367,8 +374,9 @@ def replay_expected_totals(
     P = np.asarray(stop_probs, dtype=np.float64)
     for d in range(D + 1):
         dd = np.full((1, len(cycles.context_lengths)), d)
-        A += float(P[:, d] @ accepted_lengths(mask, cycles.paths, dd)[0])
-        T += float(P[:, d] @ cycle_times(mask, cycles.template, dd, cycles.context_lengths, latency)[0])
+        acc = accepted_lengths(mask, cycles.paths, dd)[0]
+        A += float(P[:, d] @ acc)
+        T += float(P[:, d] @ (cycle_times(mask, cycles.template, dd, cycles.context_lengths, latency)[0] + latency.t_catchup(acc)))
     return A, T
 
 
@@ -416,7 +424,8 @@ def _group_tables(groups: CycleGroups, info: TemplateInfo, latency: LatencyModel
         widths = np.array([mask[info.first_child[info.frontier(l)]].sum() for l in range(1, D + 1)])
         draft = np.concatenate([[0.0], np.cumsum(latency.t_draft(widths.astype(np.float64)))])  # [D+1]
         sizes = np.array([mask[(info.depth >= 1) & (info.depth <= d)].sum() for d in range(D + 1)])
-        T = W[:, None] * (draft[None, :] + latency.fixed) + groups.verify[:, sizes]
+        T = (W[:, None] * (draft[None, :] + latency.fixed) + groups.verify[:, sizes]
+             + W[:, None] * latency.t_catchup(A / W[:, None]))
         return A, T
 
     return tables

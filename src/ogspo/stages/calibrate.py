@@ -13,12 +13,23 @@
 - t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
-- t_fixed: per-cycle overhead from real `SpeculativeEngine` cycles (cycle - draft - verify, median).
+- t_catchup: a drafted cycle that commits A tokens leaves A - 1 of them for the EAGLE head to re-encode
+  at the next cycle's first level. From the same static-tree requests as t_fixed: the first level's
+  time of each cycle against the tokens the previous cycle committed b: the increments of its median
+  over b = 2, 3, ... are `catchup` (`fit_catchup`; measured: 5 ms at b = 1, 9 ms at b = 2..4, AMD EPYC).
+- t_fixed: per-cycle overhead from real `SpeculativeEngine` requests, everything of a request that is
+  neither prefill, drafting nor the target's forward (sampling, cache compaction, drafter bookkeeping,
+  the decode loop between cycles), per cycle. One value per cycle kind, because they differ by an order
+  of magnitude: `fixed_ar` from autoregressive requests (no drafter, median over steps), and for tree
+  cycles a line in the verified nodes n, `fixed + fixed_slope * (n - 1)`, through the median overhead of
+  static trees of three sizes (the 2-token chain, 10 and 28 nodes: `fit_fixed`).
 
-    t_cycle(level_widths, n, L) = sum_l t_draft(w_l) + t_verify(n, L) + t_fixed
+    t_cycle(level_widths, n, L) = sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n)
 
-Shapes are timed in a shuffled, interleaved order after a warm-up, each `reps` times; medians are
-kept. Held-out shapes (n and L outside the table) give the validation error (MdAPE).
+Shapes are timed in a shuffled, interleaved order after a warm-up, each `reps` times; each timing is
+the second call of a burst of two of the same shape, because decoding runs a shape after similar
+shapes (an autoregressive step after a step), never cold after a 128-token forward; medians are kept.
+Held-out shapes (n and L outside the table) give the validation error (MdAPE).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from ogspo.artifacts.latency import LatencyCalibration, LatencyModel, fit_verify
 from ogspo.engine import kernels as K
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
-from ogspo.engine.policies import StaticTree
+from ogspo.engine.policies import Autoregressive, StaticTree
 from ogspo.engine.target import LlamaTreeLM, TreeLM, fast_path_refusal, synchronize
 from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix
 
@@ -100,8 +111,11 @@ def _fill_cache(target: TreeLM, L: int, seed: int) -> None:
         cache.commit_prefix(e - s)
 
 
-def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.random.Generator) -> dict[tuple, float]:
-    """Median over `reps` of fn(*shape), shapes interleaved in a shuffled order each round."""
+def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.random.Generator,
+                  burst: int = 1) -> dict[tuple, float]:
+    """Median over `reps` of fn(*shape), shapes interleaved in a shuffled order each round; with
+    `burst` > 1 each shape runs `burst` times in a row and only the last call is kept (the state a
+    shape meets in decoding: after itself or a similar one, not after any shape of the grid)."""
     for _ in range(warmup):
         for s in shapes:
             fn(*s)
@@ -109,8 +123,98 @@ def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.ra
     for _ in range(reps):
         order = rng.permutation(len(shapes))
         for i in order:
+            for _ in range(burst - 1):
+                fn(*shapes[i])
             samples[shapes[i]].append(fn(*shapes[i]))
     return {s: float(np.median(v)) for s, v in samples.items()}
+
+
+# English prose for the requests that measure t_fixed and the catch-up: after random tokens the drafter
+# accepts nothing, and the catch-up of accepted tokens would never be seen
+CALIBRATION_TEXT = (
+    "Speculative decoding makes a large language model generate text faster without changing what it "
+    "writes. A small drafter proposes a few tokens ahead, arranged as a tree of alternatives, and the large "
+    "model checks the whole tree in one forward pass. Every proposed token that the large model would have "
+    "chosen itself is kept, and the first one it disagrees with is replaced by its own choice. The speed-up "
+    "depends on how often the drafter guesses right, on how much more a pass over many tokens costs than a "
+    "pass over one, and on the time spent between passes."
+)
+
+
+# static trees whose real cycles give t_fixed of a speculative cycle: a 2-token chain, a small and a bushy tree
+FIXED_TREES = (Structure.chain(2), Structure.full([2, 2, 1]), Structure.full([4, 2, 2]))
+
+
+def _overhead_per_cycle(res) -> list[tuple[int, float]]:
+    """Per cycle of a request: (verified nodes, the cycle's time outside drafting and the target forward
+    plus an equal share of the decode loop's time between cycles, wall - prefill - cycles)."""
+    if not res.cycles:
+        return []
+    loop = (res.wall_seconds - res.prefill_seconds - sum(c.cycle_seconds for c in res.cycles)) / len(res.cycles)
+    return [(c.tree_size + 1, c.other_seconds + loop) for c in res.cycles]
+
+
+def fit_fixed(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed, fixed_slope): t_fixed(n) = fixed + fixed_slope * (n - 1) through the median overhead of each
+    tree size (least squares over the sizes, slope >= 0); one size gives a constant."""
+    by_n: dict[int, list[float]] = {}
+    for n, s in samples:
+        by_n.setdefault(int(n), []).append(float(s))
+    ns = np.array(sorted(by_n), dtype=np.float64)
+    med = np.array([np.median(by_n[int(n)]) for n in ns])
+    if len(ns) < 2:
+        return (float(med[0]) if len(med) else 0.0), 0.0
+    slope = max(float(np.polyfit(ns - 1, med, 1)[0]), 0.0)
+    return float(np.mean(med - slope * (ns - 1))), slope
+
+
+def _first_levels(res) -> list[tuple[int, float]]:
+    """(tokens the previous cycle committed, seconds of this cycle's first draft level), from the 2nd cycle on."""
+    return [(prev.accepted, c.draft_seconds[0]) for prev, c in zip(res.cycles, res.cycles[1:]) if c.draft_seconds]
+
+
+def fit_catchup(samples: list[tuple[int, float]], min_samples: int = 3) -> list[float]:
+    """Seconds the j-th accepted token adds to the next first draft level, j = 1..: increments of the
+    running maximum of median(first level | b) - median(first level | b = 1) over b = 2, 3, ... with at
+    least `min_samples` cycles each (the first b without them ends the table: nothing is added past it)."""
+    by_b: dict[int, list[float]] = {}
+    for b, s in samples:
+        by_b.setdefault(int(b), []).append(float(s))
+    if len(by_b.get(1, [])) < min_samples:
+        return []
+    base, cum, out = float(np.median(by_b[1])), 0.0, []
+    b = 2
+    while len(by_b.get(b, [])) >= min_samples:
+        new = max(cum, float(np.median(by_b[b])) - base)
+        out.append(new - cum)
+        cum, b = new, b + 1
+    return out
+
+
+def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int,
+                  seed: int) -> tuple[list[tuple[int, float]], list[float], list[tuple[int, float]]]:
+    """([(verified nodes, overhead)] of speculative cycles, [overhead] of autoregressive steps, [(previous
+    cycle's committed tokens, first draft level seconds)]) in seconds, from real requests of `tokens` new
+    tokens: autoregressive decoding without a drafter, then each of `FIXED_TREES`, then AR again (the AR
+    samples of both runs are kept, so drift between them shows)."""
+    ar = SpeculativeEngine(target=target, policy=Autoregressive())
+    trees = [SpeculativeEngine(target=target, policy=StaticTree(S), drafter=drafter) for S in FIXED_TREES]
+    ar_samples: list[float] = []
+    tree_samples: list[tuple[int, float]] = []
+    first: list[tuple[int, float]] = []
+    ar.generate(prompt, max_new_tokens=4, seed=seed)  # warm-up of the one-row shapes
+    own = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
+    ar_samples += [s for _, s in _overhead_per_cycle(own)]
+    # the trees continue the target's own text, where the drafter guesses as it does on real text (given a
+    # text prompt, `CALIBRATION_TEXT`): cycles commit 1..4 tokens, so the catch-up is seen at several sizes
+    text = list(prompt) + own.tokens
+    for eng in trees:
+        eng.generate(text, max_new_tokens=4, seed=seed)
+        res = eng.generate(text, max_new_tokens=tokens, seed=seed)
+        tree_samples += _overhead_per_cycle(res)
+        first += _first_levels(res)
+    ar_samples += [s for _, s in _overhead_per_cycle(ar.generate(prompt, max_new_tokens=tokens, seed=seed))]
+    return tree_samples, ar_samples, first
 
 
 def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
@@ -149,7 +253,8 @@ def calibrate_latency(
     seed: int,
     held_out_sizes: tuple[int, ...] = HELD_OUT_SIZES,
     held_out_contexts: tuple[int, ...] = HELD_OUT_CONTEXTS,
-    fixed_cycles: int = 12,
+    fixed_tokens: int = 48,
+    text_prompt: list[int] | None = None,
     meta: dict | None = None,
 ) -> LatencyCalibration:
     """Measure the latency model of docs/DESIGN.md §4 on this device (see the module docstring). One
@@ -174,7 +279,7 @@ def calibrate_latency(
     grid = [(n, L) for n in sizes for L in contexts]
     held = [(n, L) for n in held_sizes for L in held_ctx]
     verify = _measure_grid(
-        lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng
+        lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng, burst=2
     )
     target.cache.length, target.cache.pending = filled, 0
     table = np.array([[verify[(n, L)] for L in contexts] for n in sizes])  # [S, C]
@@ -186,12 +291,12 @@ def calibrate_latency(
     pre = target.prefill(prompt)
     draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device)
 
-    # ---- t_fixed from real engine cycles
-    struct = Structure.full([2, 2, 1])
-    engine = SpeculativeEngine(target=target, policy=StaticTree(struct), drafter=drafter)
-    res = engine.generate(prompt, max_new_tokens=fixed_cycles * 2 + 1, seed=seed)
-    fixed_samples = [c.other_seconds for c in res.cycles]
-    fixed = float(np.median(fixed_samples)) if fixed_samples else 0.0
+    # ---- t_fixed per cycle kind from real requests
+    text = list(text_prompt)[:prompt_len] if text_prompt else prompt
+    fixed_samples, fixed_ar_samples, first_levels = measure_fixed(target, drafter, text, tokens=fixed_tokens, seed=seed)
+    fixed, fixed_slope = fit_fixed(fixed_samples)
+    catchup = fit_catchup(first_levels)
+    fixed_ar = float(np.median(fixed_ar_samples)) if fixed_ar_samples else 0.0
 
     info = {
         "device": _device_name(target.device),
@@ -203,7 +308,8 @@ def calibrate_latency(
     }
     model = LatencyModel(
         sizes=sizes, contexts=contexts, verify_table=table.tolist(), verify_intercept=a, verify_slope=b,
-        slope_mode=mode, draft_widths=widths, draft_table=[draft[(w,)] for w in widths], fixed=fixed, meta=info,
+        slope_mode=mode, draft_widths=widths, draft_table=[draft[(w,)] for w in widths], fixed=fixed, fixed_ar=fixed_ar,
+        fixed_slope=fixed_slope, catchup=catchup, meta=info,
     )
     validation = []
     for n, L in held:
@@ -213,7 +319,9 @@ def calibrate_latency(
     model.meta["validation_mdape"] = mdape
     target.cache.reset()
     return LatencyCalibration(
-        model=model, validation=validation, mdape=mdape, fixed_samples=fixed_samples, seconds=time.perf_counter() - t_start
+        model=model, validation=validation, mdape=mdape, fixed_samples=[[int(n), float(x)] for n, x in fixed_samples],
+        fixed_ar_samples=fixed_ar_samples, catchup_samples=[[int(b), float(x)] for b, x in first_levels],
+        seconds=time.perf_counter() - t_start,
     )
 
 
@@ -293,7 +401,8 @@ def plot_calibration(cal: LatencyCalibration, *, png_path: Path, dpi: int = 80) 
     ax2.plot(ws, 1e3 * m.t_draft(ws), "-", lw=1, label="model")
     ax2.set_xlabel("frontier width w")
     ax2.set_ylabel("t_draft (ms)")
-    ax2.set_title(f"draft level ({m.meta.get('drafter', '?')}); t_fixed {1e3 * m.fixed:.1f} ms", fontsize=9)
+    ax2.set_title(f"draft level ({m.meta.get('drafter', '?')}); t_fixed {1e3 * m.fixed:.1f} ms, + {1e6 * m.fixed_slope:.0f} us/node, AR {1e3 * m.fixed_ar:.2f} ms",
+                  fontsize=9)
     ax2.legend(fontsize=7)
     fig.tight_layout()
     png_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,40 +1,48 @@
 """Stages `tune_eagle` and `evaluate`: every decoding method side by side on held-out prompts.
 
 `evaluate_methods` runs, per temperature, workload, eval prompt and repeat, every configured method
-in a seeded random order (so machine drift cancels in paired ratios), all on one target and one drafter.
-Per request: complete-request throughput (prefill included), tau, the time split (prefill / draft /
-policy / verify / other; the stop hook's time, timed by a wrapper, is taken out of "other", where
-the engine books it; the routing baseline's pre-drafting decision stays in "other") and the latency
-model's prediction for the very cycles that ran. At T=0 every method's tokens must equal the autoregressive output: a real mismatch raises `LosslessError`
-naming method, workload and prompt; a float near-tie (`compare_greedy`) is reported, not failed.
+in mirrored seeded orders per pair of request slots (`slot_order`: machine drift and position effects
+cancel in paired ratios), all on one target and one drafter, every method generating the same number
+of tokens (EOS does not stop a request here: equal work per pair). Per request: complete-request
+throughput (prefill included), tau, the time split (prefill / draft / policy / verify / other; the stop
+hook's time, timed by a wrapper, is taken out of "other", where the engine books it; the routing
+baseline's pre-drafting decision stays in "other") and the latency model's prediction for the very
+cycles that ran. At T=0 every method's tokens must equal the autoregressive output: a real mismatch
+raises `LosslessError` naming method, workload and prompt; a float near-tie (`compare_greedy`) is
+reported, not failed.
 
 `tune_eagle` is the fair EAGLE-3 baseline: a grid of (total_tokens, depth, top_k) decoded for real
-on `train` prompts, per workload, at one temperature; the winner (median throughput) is the
-`eagle-tuned` method of `evaluate`.
+on calib prompts, per workload, at one temperature; the winner (geometric-mean throughput) is the
+`eagle-tuned` method of `evaluate`. Sequoia's static tree runs beside the grid there, so the best
+baseline of each cell (ar, eagle-tuned or sequoia) is picked on calib prompts too.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import torch
 
 from ogspo.artifacts.io import atomic_write, write_json
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import request_seed
 from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
+from ogspo.engine.target import synchronize
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.ogspo import OgspoTree
 from ogspo.methods.registry import AA_CHECK, EVAL_METHODS, REFERENCE, TUNED, make_policy
-from ogspo.stages.compare import best_baselines, intervals_json, ratio_intervals
+from ogspo.stages.compare import best_of_intervals, intervals_json, ratio_intervals
 
 
 class LosslessError(ValueError):
@@ -76,18 +84,19 @@ def method_specs(*, methods: list[str], chains: list[int], eagle_default: list[i
     return specs
 
 
-def rotated_order(n: int, index: int) -> list[int]:
-    """Method order of the index-th request slot: 0..n-1 rotated left by index (each method runs
-    first, second, ... equally often over n consecutive slots)."""
-    s = index % n if n else 0
-    return list(range(s, n)) + list(range(s))
+def slot_order(n: int, seed: int, index: int) -> list[int]:
+    """Method order of the index-th request slot of a cell: slots come in mirrored pairs. Slot 2k runs
+    a seeded random permutation (`seed` = the pair's seed), slot 2k+1 the same permutation reversed.
+    So over a pair every method's mean position is exactly (n-1)/2 and every method runs before every
+    other exactly once: a position effect linear in the position (drift, a warm-up the first method
+    pays) cancels in every paired ratio, and no two methods are neighbours in every slot."""
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return order[::-1] if index % 2 else order
 
 
-def slot_order(n: int, seed: int) -> list[int]:
-    """Method order of one request slot: a seeded random permutation (the slot's seed). Unlike a
-    rotation it does not keep two methods neighbours in every slot, so drift within a slot (the
-    machine slowing for a while) cannot favour one method of a pair; positions balance on average."""
-    return np.random.default_rng(seed).permutation(n).tolist()
+def pair_seed(seed: int, temperature: float, workload: str, index: int, repeat: int) -> int:
+    """The seed of the order of slot pair index // 2 of a cell (per temperature, workload and repeat)."""
+    return request_seed(seed, f"order/{temperature_tag(temperature)}/{workload}/{index // 2}/{repeat}")
 
 
 def slot_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
@@ -99,14 +108,24 @@ def slot_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
 # ---------------------------------------------------------------- method artifacts
 
 
-def _structure_or_ar(path: Path, name: str) -> TreePolicy:
-
+def structure_policy(path: Path, name: str) -> TreePolicy:
+    """A static tree from a structure.json (autoregressive decoding for an empty one)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"method '{name}': structure file {path} does not exist")
     structure = load_structure(path)
     if len(structure) == 0:  # the solver found drafting not worth it: decode autoregressively
         return Autoregressive(name=name)
     return StaticTree(structure, name=name)
+
+
+def read_calib_best(path: Path) -> tuple[dict[str, str], dict[str, float]]:
+    """(workload -> the best baseline on the calib prompts: ar, eagle-tuned or sequoia; workload -> the
+    share of bootstrap resamples of the tuning prompts that keep the EAGLE-3 winner) of a tune_eagle JSON."""
+    data = json.loads(Path(path).read_text()) if Path(path).is_file() else None
+    best = data.get("best_baseline") if isinstance(data, dict) else None
+    if not isinstance(best, dict):
+        raise ValueError(f"{path}: not a tune_eagle output with 'best_baseline' (rerun rule tune_eagle)")
+    return {str(w): str(b) for w, b in best.items()}, dict(data.get("winner_stability") or {})
 
 
 def read_tuned(path: Path) -> dict[str, tuple[int, int, int]]:
@@ -146,7 +165,7 @@ def build_policy(
             return Autoregressive(name=spec.name)
         return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
     if spec.kind in ("sequoia", "ogspo-structure"):
-        return _structure_or_ar(path, spec.name)
+        return structure_policy(path, spec.name)
     if spec.kind in ("ogspo", "ogspo-policy"):
         return make_policy("ogspo", policy_path=path, policy_device=policy_device, name=spec.name)
     if spec.kind == "routing":
@@ -174,20 +193,21 @@ class TimedHook:
 
 class CycleLog:
     """Engine `cycle_observer`: per cycle (frontier widths per drafted level, verified nodes with the
-    root, committed context length) — what the latency model needs to predict the cycle's time."""
+    root, committed context length, committed tokens) — what the latency model needs to predict the
+    cycle's time."""
 
     def __init__(self):
-        self.cycles: list[tuple[list[int], int, int]] = []
+        self.cycles: list[tuple[list[int], int, int, int]] = []
 
     def __call__(self, trace: CycleTrace) -> None:
         d = trace.drafted
         widths = [int(np.unique(d.parents[d.depths == lvl]).size) for lvl in range(1, int(d.depths.max()) + 1)]
-        self.cycles.append((widths, int(len(trace.verified)), int(trace.context_length)))
+        self.cycles.append((widths, int(len(trace.verified)), int(trace.context_length), len(trace.committed)))
 
 
-def predicted_seconds(cycles: list[tuple[list[int], int, int]], latency) -> float:
-    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed (docs/DESIGN.md §4)."""
-    return float(sum(float(latency.t_cycle(w, n, L)) for w, n, L in cycles))
+def predicted_seconds(cycles: list[tuple[list[int], int, int, int]], latency) -> float:
+    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed(n) + t_catchup(A) (docs/DESIGN.md §4)."""
+    return float(sum(float(latency.t_cycle(w, n, L, accepted=a)) for w, n, L, a in cycles))
 
 
 @dataclass
@@ -198,13 +218,15 @@ class MethodEngine:
     hook: TimedHook | None
 
 
-def make_method_engine(spec: MethodSpec, policy: TreePolicy, *, target, drafter, temperature: float,
-                       eos_token_id: int | None) -> MethodEngine:
+def make_method_engine(spec: MethodSpec, policy: TreePolicy, *, target, drafter, temperature: float) -> MethodEngine:
+    """One method's engine. It has no EOS token: every method of a slot generates the request's full
+    `max_new_tokens`, so paired ratios compare the same work (at T > 0 methods sample different texts,
+    and one stopping at an early EOS would be timed mostly on its prefill)."""
     hook = TimedHook(policy.hook) if policy.hook is not None else None
     log = CycleLog()
     engine = SpeculativeEngine(
         target=target, policy=policy, drafter=None if policy.max_nodes == 1 else drafter, temperature=temperature,
-        eos_token_id=eos_token_id, stop_hook=hook, cycle_observer=log,
+        eos_token_id=None, stop_hook=hook, cycle_observer=log,
     )
     return MethodEngine(spec=spec, engine=engine, log=log, hook=hook)
 
@@ -216,7 +238,7 @@ class RequestRow:
     method: str
     prompt_id: str
     repeat: int
-    order: int  # position of the method in this request slot's rotation
+    order: int  # position of the method in this request slot's order (`slot_order`)
     seed: int
     prompt_tokens: int
     new_tokens: int
@@ -230,7 +252,8 @@ class RequestRow:
     policy_seconds: float
     verify_seconds: float
     other_seconds: float
-    predicted_seconds: float  # measured prefill + the latency model's time of the cycles that ran
+    predicted_seconds: float  # measured prefill + the latency model's time of the cycles that ran (x speed_factor)
+    speed_factor: float  # `probe_speed` after the request: one-token forward now / at calibration
     predicted_throughput: float
     lossless: str  # identical | near-tie | n/a (T>0, or the reference itself)
     first_mismatch: int  # -1 when identical / n/a
@@ -238,21 +261,57 @@ class RequestRow:
     tokens: list[int] = field(default_factory=list)
 
 
+@contextmanager
+def quiet_gc():
+    """Collect garbage before a timed request and keep the cyclic collector off during it (as `timeit`
+    does), so a collection the previous method's garbage triggers is not timed in the next method."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def probe_speed(target, latency, *, reps: int = 3) -> float:
+    """The machine's speed now against the calibration: median seconds of `reps` one-token target forwards
+    after the committed rows (untimed for the request; the rows are dropped again) over the latency
+    model's t_verify(1, L). A shared machine drifts by several % within minutes, uniformly across shapes;
+    the prediction of a request is scaled by this factor, measured on calibration shapes, not on the
+    request's own times."""
+    dev, L = target.device, target.cache.length
+    times = []
+    for _ in range(reps):
+        tok = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]
+        synchronize(dev)
+        t0 = time.perf_counter()
+        target.forward(tok, torch.tensor([L], device=dev), None)
+        synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        target.cache.commit(None)
+    return float(np.median(times)) / float(latency.t_verify(1, L))
+
+
 def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency) -> tuple[GenerationResult, dict]:
-    """Decode one request with one method; returns the result and its timing/prediction figures."""
+    """Decode one request with one method; returns the result and its timing/prediction figures (the
+    prediction is the measured prefill plus the latency model's cycles times the `probe_speed` factor)."""
     me.log.cycles.clear()
     if me.hook is not None:
         me.hook.seconds = 0.0
-    res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
+    with quiet_gc():
+        res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
     split = res.time_split()
     policy_s = me.hook.seconds if me.hook is not None else 0.0
-    pred = float("nan")
+    pred = speed = float("nan")
     if latency is not None:
-        pred = split["prefill"] + predicted_seconds(me.log.cycles, latency)
+        speed = probe_speed(me.engine.target, latency)
+        pred = split["prefill"] + speed * predicted_seconds(me.log.cycles, latency)
     figures = {
         "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
         "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
-        "predicted_seconds": pred,
+        "predicted_seconds": pred, "speed_factor": speed,
         "predicted_throughput": len(res.tokens) / pred if pred > 0 else float("nan"),
     }
     return res, figures
@@ -279,6 +338,7 @@ class EvaluateResult:
     near_ties: list[NearTie]
     oracle: dict[str, float]  # temperature tag -> oracle throughput (surrogate), where given
     tuned: dict[str, dict[str, list[int]]]  # temperature tag -> workload -> eagle-tuned tree
+    calib_best: dict[str, dict[str, str]]  # temperature tag -> workload -> best baseline on the calib prompts
     settings: dict
     seconds: float
 
@@ -289,7 +349,7 @@ class EvaluateResult:
 def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
     data = [asdict(r) for r in rows]
     schema = {"tokens": pl.List(pl.Int64), "temperature": pl.Float64, "tie_margin": pl.Float64,
-              "predicted_seconds": pl.Float64, "predicted_throughput": pl.Float64}
+              "predicted_seconds": pl.Float64, "predicted_throughput": pl.Float64, "speed_factor": pl.Float64}
     if not data:
         return pl.DataFrame(schema=schema)
     return pl.DataFrame(data, schema_overrides=schema)
@@ -309,7 +369,6 @@ def evaluate_methods(
     latency=None,
     oracle: Mapping[str, float] | None = None,
     reference_model=None,
-    eos_token_id: int | None = None,
     policy_device: str = "cpu",
     tie_margin: float = 1e-4,
     light_methods: tuple[str, ...] = (),
@@ -317,13 +376,14 @@ def evaluate_methods(
     progress: Callable[[str], None] | None = None,
 ) -> EvaluateResult:
     """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
-    by request, in a seeded random order per request slot (`slot_order`). Methods whose kind is in `light_methods` run on the first
-    `light_prompts` prompts of each workload only (the rotation covers the methods of each slot).
-    Before a slot's methods run, the prompt is prefilled once untimed, so the slot's first method
-    does not pay for the new prompt's shapes. `reference_model` (an HF causal LM, default
-    `target.hf_model`) tells near-ties from real mismatches at T=0; a real mismatch raises
-    `LosslessError` at once. One function on purpose (~90 lines): the interleaved loop, its rotation
-    and the lossless check share each slot's state."""
+    by request, in mirrored seeded orders per pair of request slots (`slot_order`). Every method of a
+    slot generates exactly `max_new_tokens` tokens (EOS does not stop it: equal work per pair).
+    Methods whose kind is in `light_methods` run on the first `light_prompts` prompts of each workload
+    only (they keep their place in the slot's order). Before a slot's methods run, the prompt is
+    prefilled once untimed, so the slot's first method does not pay for the new prompt's shapes.
+    `reference_model` (an HF causal LM, default `target.hf_model`) tells near-ties from real
+    mismatches at T=0; a real mismatch raises `LosslessError` at once. The calib-picked best baseline
+    per cell is read from the `eagle-tuned` artifact (`tune_eagle`)."""
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats} and {max_new_tokens}")
     if REFERENCE not in {m.kind for m in methods}:
@@ -336,12 +396,15 @@ def evaluate_methods(
     rows: list[RequestRow] = []
     near: list[NearTie] = []
     checked = 0
-    slot = 0
     tuned: dict[str, dict[str, list[int]]] = {}
+    calib_best: dict[str, dict[str, str]] = {}
+    stability: dict[str, dict[str, float]] = {}
     ref_name = next(m.name for m in methods if m.kind == REFERENCE)
     providers: dict[str, dict] = {}
     for temp in temperatures:
         tag = temperature_tag(temp)
+        if TUNED in {m.kind for m in methods} and TUNED in artifacts:
+            calib_best[tag], stability[tag] = read_calib_best(Path(artifacts[TUNED].format(T=tag)))
         for workload, plist in prompts.items():
             engines = []
             for spec in methods:
@@ -352,18 +415,19 @@ def evaluate_methods(
                 if spec.kind == TUNED:
                     tuned.setdefault(tag, {})[workload] = (
                         [pol.total_tokens, pol.max_depth, pol.top_k] if isinstance(pol, DynamicTree) else [0, 0, 0])
-                engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp,
-                                                  eos_token_id=eos_token_id))
+                engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp))
             ref_engine = next(me for me in engines if me.spec.kind == REFERENCE)
             for repeat in range(repeats):
                 for index, (prompt_id, prompt) in enumerate(plist):
                     rseed = slot_seed(seed, workload, prompt_id, repeat)
-                    here = [me for me in engines if me.spec.kind not in light_methods or index < light_prompts]
+                    order = slot_order(len(engines), pair_seed(seed, temp, workload, index, repeat), index)
+                    here = [engines[j] for j in order if engines[j].spec.kind not in light_methods or index < light_prompts]
                     ref_engine.engine.target.prefill(prompt)  # untimed: the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
-                    for pos, j in enumerate(slot_order(len(here), rseed)):
-                        me = here[j]
+                    for pos, me in enumerate(here):
                         res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency)
+                        if len(res.tokens) != max_new_tokens:  # pragma: no cover - the engine stops at max_new_tokens
+                            raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, not {max_new_tokens}")
                         out[me.spec.name] = RequestRow(
                             workload=workload, temperature=float(temp), method=me.spec.name, prompt_id=str(prompt_id),
                             repeat=repeat, order=pos, seed=rseed, prompt_tokens=len(prompt), new_tokens=len(res.tokens),
@@ -372,7 +436,6 @@ def evaluate_methods(
                             wall_seconds=res.wall_seconds, throughput=res.throughput, **fig,
                             lossless="n/a", first_mismatch=-1, tie_margin=float("nan"), tokens=list(res.tokens),
                         )
-                    slot += 1
                     if float(temp) == 0.0:
                         checked += _check_lossless(out, ref_name, prompt, workload=workload, prompt_id=str(prompt_id),
                                                    repeat=repeat, ref_model=ref_model, tie_margin=tie_margin, near=near)
@@ -383,11 +446,12 @@ def evaluate_methods(
     frame = requests_frame(rows)
     oracle = {k: float(v) for k, v in (oracle or {}).items()}
     return EvaluateResult(
-        rows=rows, summary=summarize_requests(frame, oracle=oracle), checked=checked, near_ties=near, oracle=oracle,
-        tuned=tuned, seconds=time.perf_counter() - t_start,
+        rows=rows, summary=summarize_requests(frame, oracle=oracle, calib_best=calib_best), checked=checked,
+        near_ties=near, oracle=oracle, tuned=tuned, calib_best=calib_best, seconds=time.perf_counter() - t_start,
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
-                  "light_methods": list(light_methods), "light_prompts": light_prompts,
+                  "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,
+                  "tune_winner_stability": stability,
                   "prompts": {w: [p for p, _ in v] for w, v in prompts.items()}},
     )
 
@@ -438,27 +502,42 @@ def _paired_ratio(df: pl.DataFrame, method: str, baseline: str) -> np.ndarray:
     return (j["throughput"] / j["base"]).to_numpy()
 
 
-BASELINES = (REFERENCE, TUNED)  # the best of these per cell is what a user would otherwise run
+SEQUOIA = "sequoia"
+BASELINES = (REFERENCE, TUNED, SEQUOIA)  # the best of these per cell is what a user would otherwise run
+
+
+def calib_best_table(calib_best: Mapping[str, Mapping[str, str]] | None, df: pl.DataFrame) -> pl.DataFrame:
+    """The calib-picked best baseline per cell (tag -> workload -> method) as a `ratio_intervals`
+    baseline table, for the cells of `df` whose pick ran there; empty when none was given."""
+    present = set(df["method"].to_list()) if df.height else set()
+    rows = [{"workload": w, "temperature": float(t), "baseline": b}
+            for t in (sorted({float(x) for x in df["temperature"].to_list()}) if df.height else [])
+            for w, b in (calib_best or {}).get(temperature_tag(t), {}).items() if b in present]
+    return pl.DataFrame(rows, schema={"workload": pl.String, "temperature": pl.Float64, "baseline": pl.String})
 
 
 def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None = None,
+                       calib_best: Mapping[str, Mapping[str, str]] | None = None,
                        reference: str = REFERENCE, baseline: str = TUNED) -> list[dict]:
     """One row per method x workload x temperature: medians and spreads (IQR and min/max) of
     throughput, tau, paired speedup over `reference` and ratio to `baseline` (medians of per-request
     ratios), the geometric means of the paired ratios to `reference`, to `baseline` and to the cell's
-    best baseline (`stages.compare`) with 95% bootstrap intervals, time to first token and request
-    latency percentiles, surrogate-predicted throughput, oracle bound and time split (shares of wall time)."""
+    best baseline (`stages.compare`: picked on the calib prompts, `vs_best`, and picked on these
+    requests with a re-pick in every resample, `vs_best_eval`) with 95% bootstrap intervals, time to
+    first token and request latency percentiles, surrogate-predicted throughput, oracle bound and time
+    split (shares of wall time)."""
     oracle = oracle or {}
     out = []
     if df.height == 0:
         return out
     methods = list(dict.fromkeys(df["method"].to_list()))
-    best = best_baselines(df, BASELINES)
+    best = calib_best_table(calib_best, df)
     best_of = {(w, float(t)): b for w, t, b in best.iter_rows()}
     present = set(methods)
     gm = {m: {"vs_ar": ratio_intervals(df, m, reference)["cells"] if reference in present else {},
               "vs_tuned": ratio_intervals(df, m, baseline)["cells"] if baseline in present else {},
               "vs_best": ratio_intervals(df, m, best)["cells"] if best.height else {}} for m in methods}
+    eval_best = {m: best_of_intervals(df, m, BASELINES) for m in methods if m not in BASELINES}
     for (workload, temp), g in df.group_by(["workload", "temperature"], maintain_order=True):
         cell = (workload, float(temp))
         for m in methods:
@@ -495,6 +574,9 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
                 "vs_eagle_tuned_gm": ivs["vs_tuned"].to_dict() if ivs["vs_tuned"] else None,
                 "best_baseline": best_of.get(cell),
                 "vs_best": ivs["vs_best"].to_dict() if ivs["vs_best"] else None,
+                "best_baseline_eval": eval_best[m]["picked"].get(cell) if m in eval_best else None,
+                "vs_best_eval": (eval_best[m]["cells"][cell].to_dict()
+                                 if m in eval_best and cell in eval_best[m]["cells"] else None),
                 "ttft_p50": _q(r["prefill_seconds"].to_numpy(), 0.5),
                 "latency_p50": _q(lat, 0.5), "latency_p90": _q(lat, 0.9),
                 "cycles_throughput": after_first / cyc_s if cyc_s > 0 else None,
@@ -509,9 +591,12 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
     return out
 
 
-def pooled_comparisons(df: pl.DataFrame, *, method: str, seed: int = 0) -> dict:
+def pooled_comparisons(df: pl.DataFrame, *, method: str, calib_best: Mapping[str, Mapping[str, str]] | None = None,
+                       seed: int = 0) -> dict:
     """Pooled (all cells) and per-temperature intervals of `method` against autoregressive decoding,
-    tuned EAGLE-3 and the best baseline per cell, and the A/A check (`ar-aa` against `ar`) when it ran."""
+    tuned EAGLE-3, Sequoia and the best baseline per cell (picked on the calib prompts: `vs_best`; picked
+    on these requests, re-picked per resample: `vs_best_eval`), and the A/A check (`ar-aa` against `ar`)
+    when it ran."""
     present = set(df["method"].to_list()) if df.height else set()
     out: dict = {}
     if method in present:
@@ -519,10 +604,14 @@ def pooled_comparisons(df: pl.DataFrame, *, method: str, seed: int = 0) -> dict:
             out["vs_ar"] = intervals_json(ratio_intervals(df, method, REFERENCE, seed=seed))
         if TUNED in present:
             out["vs_eagle_tuned"] = intervals_json(ratio_intervals(df, method, TUNED, seed=seed))
-        best = best_baselines(df, BASELINES)
+        if SEQUOIA in present:
+            out["vs_sequoia"] = intervals_json(ratio_intervals(df, method, SEQUOIA, seed=seed))
+        best = calib_best_table(calib_best, df)
         if best.height:
             out["vs_best"] = intervals_json(ratio_intervals(df, method, best, seed=seed))
             out["best_baselines"] = best.to_dicts()
+        if present & set(BASELINES):
+            out["vs_best_eval"] = intervals_json(best_of_intervals(df, method, BASELINES, seed=seed))
     if AA_CHECK in present and REFERENCE in present:
         out["aa_check"] = intervals_json(ratio_intervals(df, AA_CHECK, REFERENCE, seed=seed))
     return out
@@ -537,7 +626,7 @@ class TunePoint:
     total_tokens: int
     depth: int
     top_k: int
-    throughput: float  # median complete-request tokens/s over the tuning prompts
+    throughput: float  # geometric mean of complete-request tokens/s over the tuning prompts
     throughput_q25: float
     throughput_q75: float
     tau: float
@@ -549,9 +638,17 @@ class TuneResult:
     temperature: float
     points: list[TunePoint]
     winners: dict[str, list[int]]  # workload -> [total_tokens, depth, top_k]
+    winner_stability: dict[str, float]  # workload -> share of bootstrap resamples of the prompts with the same winner
+    best_baseline: dict[str, str]  # workload -> ar | eagle-tuned | sequoia: the fastest on these prompts
+    static_throughput: dict[str, float]  # workload -> the static tree's geometric-mean tokens/s (when given)
     max_new_tokens: int
     prompts: dict[str, list[str]]
     seconds: float
+
+
+def _gmean(x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.exp(np.log(x).mean())) if len(x) and (x > 0).all() else 0.0
 
 
 def tune_eagle(
@@ -563,12 +660,17 @@ def tune_eagle(
     temperature: float,
     max_new_tokens: int,
     seed: int,
-    eos_token_id: int | None = None,
+    static: TreePolicy | None = None,
+    n_boot: int = 1000,
     progress: Callable[[str], None] | None = None,
 ) -> TuneResult:
-    """Grid search of EAGLE-3 dynamic trees by real decoding (interleaved, rotated per prompt); per
-    workload the tree with the highest median throughput wins. A grid entry [0, 0, 0] is "do not
-    speculate" (autoregressive decoding), so the tuned baseline is never slower than AR on the tuning prompts."""
+    """Grid search of EAGLE-3 dynamic trees by real decoding (interleaved, mirrored orders per pair of
+    prompts, every request `max_new_tokens` long); per workload the tree with the highest geometric-mean
+    throughput wins. A grid entry [0, 0, 0] is "do not speculate" (autoregressive decoding), so the tuned
+    baseline is never slower than AR on the tuning prompts. `static` (Sequoia's tree) runs side by side,
+    so the best baseline of each workload (ar, eagle-tuned or sequoia) is picked here, on calib prompts,
+    not on the eval requests it is compared on. `winner_stability`: how often the winner stays the same
+    when the tuning prompts are resampled with replacement."""
     if not grid:
         raise ValueError("evaluate.eagle_grid is empty: give [total_tokens, depth, top_k] triples")
     for g in grid:
@@ -582,35 +684,48 @@ def tune_eagle(
         return Autoregressive(name="eagle0-0-0") if a == 0 else DynamicTree(total_tokens=a, depth=b, top_k=c)
 
     engines = [make_method_engine(MethodSpec(name=f"eagle{a}-{b}-{c}", kind="eagle-default", tree=(a, b, c)),
-                                  tree_policy(a, b, c), target=target, drafter=drafter,
-                                  temperature=temperature, eos_token_id=eos_token_id) for a, b, c in trees]
+                                  tree_policy(a, b, c), target=target, drafter=drafter, temperature=temperature)
+               for a, b, c in trees]
+    if static is not None:
+        engines.append(make_method_engine(MethodSpec(name=SEQUOIA, kind=SEQUOIA), static, target=target, drafter=drafter,
+                                          temperature=temperature))
+    rng = np.random.default_rng(seed)
     points: list[TunePoint] = []
     winners: dict[str, list[int]] = {}
-    slot = 0
+    stability: dict[str, float] = {}
+    best_baseline: dict[str, str] = {}
+    static_tps: dict[str, float] = {}
     for workload, plist in prompts.items():
-        tps: list[list[float]] = [[] for _ in trees]
-        taus: list[list[tuple[float, int]]] = [[] for _ in trees]
-        for prompt_id, prompt in plist:
+        tps = np.zeros((len(engines), len(plist)))  # [methods, prompts]
+        taus: list[list[tuple[float, int]]] = [[] for _ in engines]
+        for index, (prompt_id, prompt) in enumerate(plist):
             rseed = slot_seed(seed, workload, prompt_id, 0)
-            for j in rotated_order(len(engines), slot):
+            for j in slot_order(len(engines), pair_seed(seed, temperature, workload, index, 0), index):
                 res, _ = run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
-                tps[j].append(res.throughput)
+                tps[j, index] = res.throughput
                 taus[j].append((res.tau, len(res.cycles)))
-            slot += 1
-        best = None
+        logs = np.log(np.maximum(tps[: len(trees)], 1e-12))  # [grid, prompts]
         for (a, b, c), t, tu in zip(trees, tps, taus):
-            x = np.asarray(t)
             cyc = sum(n for _, n in tu)
-            p = TunePoint(workload=workload, total_tokens=a, depth=b, top_k=c, throughput=float(np.median(x)),
-                          throughput_q25=_q(x, 0.25), throughput_q75=_q(x, 0.75),
-                          tau=float(sum(v * n for v, n in tu) / cyc) if cyc else 1.0, n_requests=len(x))
-            points.append(p)
-            if best is None or p.throughput > best.throughput:
-                best = p
-        winners[workload] = [best.total_tokens, best.depth, best.top_k]
+            points.append(TunePoint(workload=workload, total_tokens=a, depth=b, top_k=c, throughput=_gmean(t),
+                                    throughput_q25=_q(t, 0.25), throughput_q75=_q(t, 0.75),
+                                    tau=float(sum(v * n for v, n in tu) / cyc) if cyc else 1.0, n_requests=len(t)))
+        win = int(np.argmax(logs.mean(1)))
+        winners[workload] = list(trees[win])
+        pick = rng.integers(0, len(plist), size=(n_boot, len(plist)))  # [B, prompts]
+        stability[workload] = float((logs[:, pick].mean(2).argmax(0) == win).mean())
+        ar = next((i for i, t in enumerate(trees) if t == (0, 0, 0)), None)
+        cands = {TUNED: _gmean(tps[win])}
+        if ar is not None:
+            cands[REFERENCE] = _gmean(tps[ar])  # ties (the tuned tree is AR) go to ar
+        if static is not None:
+            static_tps[workload] = cands[SEQUOIA] = _gmean(tps[-1])
+        best_baseline[workload] = max(cands, key=lambda k: (cands[k], k == REFERENCE))
         if progress:
-            progress(f"{workload}: best eagle{best.total_tokens}-{best.depth}-{best.top_k} {best.throughput:.1f} tok/s")
-    return TuneResult(temperature=float(temperature), points=points, winners=winners, max_new_tokens=max_new_tokens,
+            progress(f"{workload}: best eagle{'-'.join(map(str, trees[win]))} {cands[TUNED]:.1f} tok/s "
+                     f"(winner in {100 * stability[workload]:.0f}% of resamples); best baseline {best_baseline[workload]}")
+    return TuneResult(temperature=float(temperature), points=points, winners=winners, winner_stability=stability,
+                      best_baseline=best_baseline, static_throughput=static_tps, max_new_tokens=max_new_tokens,
                       prompts={w: [p for p, _ in v] for w, v in prompts.items()}, seconds=time.perf_counter() - t_start)
 
 
@@ -661,12 +776,15 @@ def write_evaluation(result: EvaluateResult, *, requests_path: Path, summary_pat
         "rows": result.summary,
         "lossless": {"checked": result.checked, "mismatches": 0,
                      "near_ties": [asdict(t) for t in result.near_ties]},
-        "oracle": result.oracle, "eagle_tuned": result.tuned, "settings": result.settings, "seconds": result.seconds,
+        "oracle": result.oracle, "eagle_tuned": result.tuned, "best_baseline_calib": result.calib_best,
+        "settings": result.settings, "seconds": result.seconds,
     })
 
 
 def write_tuning(result: TuneResult, path: Path) -> None:
     write_json(path, {"temperature": result.temperature, "winners": result.winners,
+                      "winner_stability": result.winner_stability, "best_baseline": result.best_baseline,
+                      "static_throughput": result.static_throughput,
                       "grid": [asdict(p) for p in result.points], "max_new_tokens": result.max_new_tokens,
                       "prompts": result.prompts, "seconds": result.seconds})
 

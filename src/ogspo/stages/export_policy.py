@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,11 +13,20 @@ from ogspo.learn.export import ExportResult, write_policy_folder
 from ogspo.learn.policy import HEAD_FILE, load_head
 
 
+def _policy_dropped(rounds_dir: Path) -> bool:
+    """True when the rounds folder's rounds.json says the keep/drop rule shipped a static tree."""
+    try:
+        ship = json.loads((rounds_dir / "rounds.json").read_text()).get("ship") or {}
+    except (OSError, json.JSONDecodeError):
+        return False
+    return ship.get("keep_policy") is False
+
+
 @dataclass
 class ExportStageResult:
     out_dir: Path
     structure: Structure
-    export: ExportResult | None  # None when the structure is empty (autoregressive)
+    export: ExportResult | None  # None for an empty structure (autoregressive) or a shipped static tree
 
 
 def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
@@ -27,10 +37,13 @@ def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
     if not (rounds_dir / STRUCTURE_FILE).is_file():
         raise FileNotFoundError(f"rounds folder {rounds_dir} has no {STRUCTURE_FILE}")
     structure = load_structure(rounds_dir / STRUCTURE_FILE)
-    head, meta = (None, {}) if len(structure) == 0 else load_head(rounds_dir / HEAD_FILE)
+    static = len(structure) > 0 and not (rounds_dir / HEAD_FILE).is_file() and _policy_dropped(rounds_dir)
+    head, meta = (None, {}) if len(structure) == 0 or static else load_head(rounds_dir / HEAD_FILE)
     if head is not None and meta["structure"] != structure.to_list():
         raise ValueError(f"rounds folder {rounds_dir}: {STRUCTURE_FILE} differs from the structure of {HEAD_FILE}")
     info = {"source": str(rounds_dir), **{k: meta[k] for k in ("round", "seed") if k in meta}}
+    if static:
+        info["static"] = True  # the keep/drop rule shipped a static tree (rounds.json "ship")
     exp = write_policy_folder(head=head, structure=structure, lam=meta.get("lambda"), out_dir=out_dir, info=info)
     if head is not None and (rounds_dir / SIZE_FILE).is_file():  # the size rule the rounds kept
         write_size_rule(read_size_rule(rounds_dir / SIZE_FILE), Path(out_dir) / SIZE_FILE)

@@ -142,7 +142,9 @@ def plot_latency(latency_path: Path, path: Path) -> Path:
     if any(k not in doc for k in need):
         raise ValueError(f"latency file {latency_path} lacks keys {', '.join(k for k in need if k not in doc)}")
     cal = LatencyCalibration(model=LatencyModel.from_json(doc), validation=doc["validation"], mdape=float(doc["mdape"]),
-                             fixed_samples=list(doc.get("fixed_samples", [])), seconds=float(doc.get("seconds", 0.0)))
+                             fixed_samples=list(doc.get("fixed_samples", [])),
+                             fixed_ar_samples=list(doc.get("fixed_ar_samples", [])),
+                             catchup_samples=list(doc.get("catchup_samples", [])), seconds=float(doc.get("seconds", 0.0)))
     plot_calibration(cal, png_path=path)
     return path
 
@@ -234,7 +236,9 @@ def _fmt(x, spec=".2f", none="-") -> str:
 
 
 def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], lossless: dict, missing: list[str],
-                  plots: list[Path], limits: list[str], tuned: dict, comparison: list[str] = ()) -> str:
+                  plots: list[Path], limits: list[str], tuned: dict, comparison: list[str] = (),
+                  stability: Mapping[str, Mapping[str, float]] | None = None) -> str:
+    stability = stability or {}
     lines = ["# ogspo evaluation report", "", *comparison]
     temps = sorted({r["temperature"] for r in rows})
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
@@ -271,8 +275,10 @@ def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], loss
     else:
         lines.append("Not available: the evaluation ran without `ogspo` or without `eagle-tuned`.")
     if tuned:
-        lines += ["", "Tuned EAGLE-3 trees [total_tokens, depth, top_k] (rule tune_eagle, train prompts): "
-                  + "; ".join(f"{tag} " + ", ".join(f"{w} {v}" for w, v in per.items()) for tag, per in tuned.items())]
+        lines += ["", "Tuned EAGLE-3 trees [total_tokens, depth, top_k] (rule tune_eagle, calib prompts; in brackets the "
+                  "share of bootstrap resamples of the tuning prompts that pick the same tree): "
+                  + "; ".join(f"{tag} " + ", ".join(f"{w} {v}" + (f" [{stability[tag][w]:.0%}]" if w in stability.get(tag, {}) else "")
+                                                    for w, v in per.items()) for tag, per in tuned.items())]
     near = lossless.get("near_ties", [])
     lines += [""] + render_latency(rows)
     lines += ["## Lossless check (T=0, every method against autoregressive decoding)", "",
@@ -286,7 +292,7 @@ def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], loss
         lines += ["", "## Left out", ""] + [f"- {m}" for m in missing]
     lines += ["", "Throughput is complete-request (generated tokens / wall time, prefill included). The predicted "
               "throughput replaces each cycle's measured time by the latency model's t_draft + t_verify + t_fixed "
-              "(measured prefill kept). The oracle bound is the posterior optimum on the records' train prompts in "
+              "(measured prefill kept). The oracle bound is the posterior optimum on the records' calib prompts in "
               "the latency model's units (cycles only, no prefill), so it is a reference, not a paired figure. The "
               "stop policy's time is measured around the stop hook and taken out of 'other'.", ""]
     return "\n".join(lines)
@@ -340,6 +346,7 @@ def gain_statements(rows: list[dict], records: Mapping[str, dict], method: str =
             share = (rec["policy"] - rec["static"]) / (rec["oracle"] - rec["static"])
         out.append({
             "workload": w, "temperature": t, "best_baseline": me["best_baseline"], "vs_best": me.get("vs_best"),
+            "best_baseline_eval": me.get("best_baseline_eval"), "vs_best_eval": me.get("vs_best_eval"),
             "vs_ar": me.get("speedup_gm"), "cycles_throughput": me.get("cycles_throughput"),
             "oracle_over_ar_records": bound_over_ar,
             "oracle_vs_best": bound_over_ar / best_over_ar if bound_over_ar and best_over_ar else None,
@@ -354,22 +361,29 @@ def render_comparison(statements: list[dict], pooled: dict, method: str = OGSPO)
     """OGSPO against the best baseline per cell and pooled, with the oracle bound; the A/A check."""
     lines = [f"## {method.upper()} against the best baseline (geometric mean of paired per-request ratios, "
              "95% bootstrap interval)", "",
-             "The best baseline of a cell is the faster (geometric mean) of autoregressive decoding and tuned "
-             "EAGLE-3 there. The oracle bound comes from the records (calib prompts, latency model, cycles only): "
+             "The best baseline of a cell is the fastest (geometric mean) of autoregressive decoding, tuned "
+             "EAGLE-3 and Sequoia's static tree, picked on the calib prompts (rule tune_eagle runs the three side by "
+             "side there) and then only measured here; 'picked here' re-picks it on these requests inside every "
+             "bootstrap resample, so its interval carries the winner's curse. Every method of a slot generates the "
+             "same number of tokens. The oracle bound comes from the records (calib prompts, latency model, cycles only): "
              "it is carried over as its ratio to autoregressive decoding on the same records, i.e. bound / best = "
              "(oracle / AR on records) / (best / AR here), and in tokens/s = that ratio x this cell's AR (cycles "
              "only, prefill out). The share of the oracle's gain over the best static tree (Sequoia) that the "
              "policy captures is measured on the records (per temperature).", "",
-             f"| T | workload | best baseline | {method} / best | {method} / ar | {method} tok/s (cycles) | "
+             f"| T | workload | best baseline (calib) | {method} / best | best picked here | {method} / it | "
+             f"{method} / ar | {method} tok/s (cycles) | "
              "oracle bound (tok/s, cycles) | bound / best | share of oracle gain over best static tree |",
-             "|---:|---|---|---|---|---:|---:|---:|---:|"]
+             "|---:|---|---|---|---|---|---|---:|---:|---:|---:|"]
     for st in statements:
         lines.append(f"| {st['temperature']:g} | {st['workload']} | {st['best_baseline']} | {_iv(st['vs_best'])} | "
+                     f"{st.get('best_baseline_eval') or '-'} | {_iv(st.get('vs_best_eval'))} | "
                      f"{_iv(st['vs_ar'])} | {_fmt(st['cycles_throughput'], '.1f')} | "
                      f"{_fmt(st['oracle_realised_cycles_throughput'], '.1f')} | {_fmt(st['oracle_vs_best'])} | "
                      f"{_fmt(st['share_of_oracle_gain'])} |")
     lines.append("")
-    for key, label in (("vs_best", "best baseline"), ("vs_ar", "autoregressive"), ("vs_eagle_tuned", "tuned EAGLE-3")):
+    for key, label in (("vs_best", "best baseline (picked on calib prompts)"),
+                       ("vs_best_eval", "best baseline (re-picked on these requests per resample)"),
+                       ("vs_ar", "autoregressive"), ("vs_eagle_tuned", "tuned EAGLE-3"), ("vs_sequoia", "Sequoia")):
         p = pooled.get(key)
         if not p:
             continue
@@ -402,10 +416,59 @@ def render_comparison(statements: list[dict], pooled: dict, method: str = OGSPO)
     if aa and aa["pooled"]:
         ok = aa["pooled"]["low"] <= 1.0 <= aa["pooled"]["high"]
         cells = "; ".join(f"{c['workload']} T={c['temperature']:g}: {_iv(c)}" for c in aa["cells"] if "ratio" in c)
-        lines.append(f"`{AA_CHECK}` (autoregressive decoding run again in the rotation) / `{REFERENCE}`: pooled "
-                     f"**{_iv(aa['pooled'])}**, which {'contains' if ok else 'does NOT contain'} 1.00; per cell {cells}.")
+        half = (aa["pooled"]["high"] - aa["pooled"]["low"]) / 2
+        lines.append(f"`{AA_CHECK}` (autoregressive decoding run again, in the same mirrored seeded slot orders) / "
+                     f"`{REFERENCE}`: pooled **{_iv(aa['pooled'])}** (half-width {100 * half:.1f}%), which "
+                     f"{'contains' if ok else 'does NOT contain'} 1.00; per cell {cells}.")
     else:
         lines.append(f"Not run: add `{AA_CHECK}` to evaluate.methods.")
+    return lines + [""]
+
+
+def read_shipping(rounds_json: Path) -> dict | None:
+    """The keep/drop rule's decision of a rounds folder (rounds.json "ship"), None when absent."""
+    if not Path(rounds_json).is_file():
+        return None
+    return _read_json(Path(rounds_json), "rounds summary").get("ship")
+
+
+def render_shipping(shipping: Mapping[str, dict]) -> list[str]:
+    """What the ogspo method ships per temperature: the stop policy, or the static tree that beat it."""
+    if not shipping:
+        return []
+    lines = ["### What `ogspo` ships (keep/drop rule, held-out record requests)", ""]
+    for tag, sh in shipping.items():
+        what = "the learned stop policy over its structure" if sh.get("keep_policy") else (
+            f"the static tree {sh.get('shipped')} ({len(sh.get('structure', []))} nodes), not the stop policy")
+        lines.append(f"- {tag}: {what}. {sh.get('reason', '')}")
+    return lines + [""]
+
+
+LATENCY_CHECKED = (REFERENCE, TUNED, "sequoia", OGSPO)
+LATENCY_BAND = (0.95, 1.05)
+
+
+def latency_check(rows: list[dict]) -> dict:
+    """The latency model against realised requests: per method of `LATENCY_CHECKED`, the per-cell medians
+    of predicted / realised throughput and whether all lie within `LATENCY_BAND`."""
+    out = {}
+    for m in LATENCY_CHECKED:
+        cells = {f"{r['workload']}/T{r['temperature']:g}": r["predicted_over_realised"] for r in rows
+                 if r["method"] == m and r.get("predicted_over_realised") is not None}
+        if cells:
+            out[m] = {"cells": cells, "within": all(LATENCY_BAND[0] <= v <= LATENCY_BAND[1] for v in cells.values())}
+    return out
+
+
+def render_latency_check(check: dict) -> list[str]:
+    if not check:
+        return []
+    lines = [f"### Latency model against realised requests (median predicted / realised per cell; band "
+             f"{LATENCY_BAND[0]:.2f}-{LATENCY_BAND[1]:.2f})", ""]
+    for m, c in check.items():
+        vals = list(c["cells"].values())
+        lines.append(f"- {m}: {min(vals):.3f}-{max(vals):.3f} over {len(vals)} cells, "
+                     f"{'all within' if c['within'] else 'NOT all within'} the band.")
     return lines + [""]
 
 
@@ -519,7 +582,8 @@ def write_report(
     ev = _read_json(evaluate_summary, "evaluation summary")
     df = read_requests(requests)
     oracle = ev.get("oracle") or {}
-    rows = summarize_requests(df, oracle=oracle)
+    calib_best = ev.get("best_baseline_calib") or {}
+    rows = summarize_requests(df, oracle=oracle, calib_best=calib_best)
     if not rows:
         raise ValueError(f"{requests} holds no requests")
     ratios = ogspo_ratios(rows)
@@ -554,7 +618,9 @@ def write_report(
     lossless = ev.get("lossless") or {}
     tuned = ev.get("eagle_tuned") or {}
     allv = [v for per in ratios.values() for v in per.values()]
-    pooled = pooled_comparisons(df, method=OGSPO)
+    pooled = pooled_comparisons(df, method=OGSPO, calib_best=calib_best)
+    shipping = {tag: read_shipping(Path(p).with_name("rounds.json")) for tag, p in (rounds or {}).items()}
+    shipping = {tag: v for tag, v in shipping.items() if v is not None}
     sequoia_docs = {tag: _read_json(Path(p), "sequoia summary") for tag, p in (sequoia or {}).items() if Path(p).is_file()}
     rec_figs = records_figures(oracle=oracle, sequoia=sequoia_docs, rounds=rounds_frames)
     statements = gain_statements(rows, rec_figs)
@@ -564,14 +630,17 @@ def write_report(
         "ogspo_vs_eagle_tuned": {"by_temperature": ratios,
                                  "mean_by_temperature": {t: float(np.mean(list(v.values()))) for t, v in ratios.items()},
                                  "mean": float(np.mean(allv)) if allv else None},
-        "lossless": lossless, "eagle_tuned": tuned, "oracle": oracle,
+        "lossless": lossless, "eagle_tuned": tuned, "oracle": oracle, "best_baseline_calib": calib_best,
+        "shipping": shipping, "latency_check": latency_check(rows),
         "plots": [p.name for p in plots], "left_out": missing, "limits": limits,
         "reference": REFERENCE, "baseline": TUNED,
     })
     summary_path = out_dir / "summary.json"
     md_path = out_dir / "report.md"
     md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned,
-                       comparison=render_comparison(statements, pooled))
+                       stability=(ev.get("settings") or {}).get("tune_winner_stability"),
+                       comparison=render_comparison(statements, pooled) + render_shipping(shipping)
+                       + render_latency_check(latency_check(rows)))
     if drafter_eval is not None:
         metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") for h, d in (heads or {}).items()}
         md += "\n" + "\n".join(render_heads(_read_json(drafter_eval, "drafter acceptance"), metas))

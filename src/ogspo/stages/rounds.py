@@ -10,11 +10,12 @@ from dataclasses import asdict
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import load_records
-from ogspo.artifacts.structure import STRUCTURE_FILE, write_structure
+from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure, write_structure
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.target import TreeLM
 from ogspo.learn.policy import HEAD_FILE, policy_settings, save_head
 from ogspo.learn.rounds import RoundRow, RoundsResult, SameTraceSetup, rounds_settings, run_rounds, sample_requests
+from ogspo.learn.ship import ShipDecision, decide_shipping
 from ogspo.learn.size import SizeDecision, fit_size_decision
 from ogspo.artifacts.size_rule import SIZE_FILE, write_size_rule
 import math
@@ -65,9 +66,11 @@ def plot_rounds(result: RoundsResult, path: Path, dpi: int = 80) -> None:
 
 
 def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs: list[str],
-                 size: SizeDecision | None = None) -> None:
-    """rounds.parquet, same_trace.parquet, rounds.png, rounds.json, structure.json, (unless the
-    structure is empty) the incumbent head as policy.pt, and size.json when the size rule was kept."""
+                 size: SizeDecision | None = None, ship: ShipDecision | None = None) -> None:
+    """rounds.parquet, same_trace.parquet, rounds.png, rounds.json, structure.json (what ships), the
+    incumbent head as policy.pt when the policy ships, and size.json when the size rule was kept. When
+    the keep/drop rule (`learn.ship`) drops the policy, structure.json is the static tree that ships
+    and there is no policy.pt."""
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,13 +79,14 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
     atomic_write(out_dir / "same_trace.parquet", result.same_trace.write_parquet)
     plot_rounds(result, out_dir / "rounds.png")
     head_path = out_dir / HEAD_FILE
-    if result.head is not None:
+    keep = result.head is not None and (ship is None or ship.keep_policy)
+    if keep:
         save_head(head=result.head, structure=result.structure, lam=result.lam, path=head_path,
                   meta={"round": result.incumbent_round, "seed": seed})
     elif head_path.exists():
         head_path.unlink()
-    write_structure(result.structure, out_dir / STRUCTURE_FILE)
-    if size is not None and size.rule is not None:
+    write_structure(result.structure if ship is None else ship.structure, out_dir / STRUCTURE_FILE)
+    if keep and size is not None and size.rule is not None:
         write_size_rule(size.rule, out_dir / SIZE_FILE)
     elif (out_dir / SIZE_FILE).exists():
         (out_dir / SIZE_FILE).unlink()
@@ -92,6 +96,8 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
         "oracle_throughput": result.oracle_throughput, "rounds": [asdict(r) for r in result.rows],
         "structures": result.structures, "settings": result.settings, "seed": seed, "records": records_dirs,
         "size_decision": size.figures if size is not None else None,
+        "ship": None if ship is None else {"keep_policy": ship.keep_policy, "shipped": ship.shipped, "reason": ship.reason,
+                                           "structure": ship.structure.to_list(), **ship.figures},
     }
     write_text(out_dir / "rounds.json", json.dumps(_finite(report), indent=1) + "\n")
 
@@ -137,9 +143,12 @@ def run_rounds_stage(
     workloads_dir: Path,
     config: dict | None,
     seed: int,
+    sequoia_path: Path | None = None,
 ) -> RoundsResult:
     """Stage `ogspo_rounds`. `load_engine()` -> (target, drafter, tokenizer, model checksum, drafter id),
-    called only when the oracle's structure is not empty; records of another model or drafter are refused."""
+    called only when the oracle's structure is not empty; records of another model or drafter are refused.
+    After the rounds the keep/drop rule (`learn.ship.decide_shipping`) keeps the policy only if it beats
+    every static tree (S at each depth, Sequoia's tree at `sequoia_path`) on held-out record requests."""
     structure, oracle_J = read_oracle(oracle_path)
     records = [load_records(Path(d)) for d in records_dirs] if len(structure) else []
     latency = LatencyModel.from_json(latency_path) if len(structure) else None
@@ -157,10 +166,17 @@ def run_rounds_stage(
 
     result = run_rounds(records=records, latency=latency, structure=structure, oracle_throughput=oracle_J, setup=setup,
                         config=config, seed=seed)
-    size = None
-    if result.head is not None and rounds_settings(config)["size_decision"]:
-        size = fit_size_decision(records=records, structure=result.structure, head=result.head, latency=latency,
-                                 lam=result.lam, seed=seed, holdout_fraction=float(policy_settings(config)["holdout_fraction"]),
-                                 tolerance=float(rounds_settings(config)["tolerance"]))
-    write_rounds(result, out_dir, seed=seed, records_dirs=[str(d) for d in records_dirs], size=size)
+    size = ship = None
+    if result.head is not None:
+        holdout = float(policy_settings(config)["holdout_fraction"])
+        sequoia = load_structure(sequoia_path) if sequoia_path is not None else None
+        ship = decide_shipping(records=records, structure=result.structure, head=result.head, latency=latency,
+                               sequoia=sequoia, seed=seed + int(result.incumbent_round), holdout_fraction=holdout,
+                               margin=float(rounds_settings(config)["keep_margin"]))
+        if ship.keep_policy and rounds_settings(config)["size_decision"]:
+            size = fit_size_decision(records=records, structure=result.structure, head=result.head, latency=latency,
+                                     lam=result.lam, seed=seed, holdout_fraction=holdout,
+                                     tolerance=float(rounds_settings(config)["tolerance"]))
+    result.ship = ship
+    write_rounds(result, out_dir, seed=seed, records_dirs=[str(d) for d in records_dirs], size=size, ship=ship)
     return result

@@ -1,0 +1,113 @@
+"""Keep or drop the learned stop policy: OGSPO never ships a policy that loses to a static tree.
+
+After the rounds, the incumbent stop policy pi over its structure S is compared, on the record
+requests its head was *not* trained on (the incumbent round's held-out split), with every static
+tree the records offer: S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
+Sequoia's tree (`baselines.sequoia`). All are replayed on the same held-out cycles with the same
+latency model, J = sum A / sum t. The comparison is paired by request: a bootstrap resamples the
+held-out requests, and in every resample the best static tree is picked again (the largest of
+several noisy J's), so the interval carries that winner's curse against the policy.
+
+The policy is kept only when the interval of J(pi) / J(best static) lies above 1 + margin (its
+lower bound excludes "no gain"). Otherwise the static tree with the highest J over all record
+cycles ships instead, as a plain structure (no policy head), and the decision says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ogspo.artifacts.latency import LatencyModel
+from ogspo.artifacts.records import Records
+from ogspo.engine.tree import Structure
+from ogspo.learn.policy import PolicyHead, combine_data, offline_states, policy_depths, split_requests
+from ogspo.offline.replay import replay, replay_cycles
+from ogspo.offline.solve import combine_cycles
+
+
+@dataclass
+class ShipDecision:
+    keep_policy: bool  # ship pi over S (False: ship `structure` as a static tree)
+    structure: Structure  # what ships: S with the policy, or the best static tree
+    shipped: str  # "policy", "S<=d" or "sequoia"
+    reason: str
+    figures: dict = field(default_factory=dict)
+
+
+def static_candidates(structure: Structure, sequoia: Structure | None) -> dict[str, Structure]:
+    """The static trees a policy over `structure` must beat: S cut at each depth, and Sequoia's tree."""
+    out = {f"S<={d}": Structure([p for p in structure.paths if len(p) <= d]) for d in range(1, structure.max_depth + 1)}
+    if sequoia is not None:
+        out["sequoia"] = sequoia
+    return out
+
+
+def _sums_by_request(requests: np.ndarray, names: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Per request name (in `names` order) the sum of x over its cycles. x [K, C] -> [K, R]."""
+    index = {n: i for i, n in enumerate(names.tolist())}
+    col = np.array([index[r] for r in requests.tolist()], dtype=np.int64)
+    out = np.zeros((x.shape[0], len(names)))
+    np.add.at(out.T, col, x.T)
+    return out
+
+
+def compare_to_static(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, names: list[str], seed: int,
+                      n_boot: int = 2000) -> dict:
+    """Per-cycle tables of the policy (row 0) and of the static trees `names` (rows 1..K): A, t [K + 1, C],
+    `requests` [C]. J per row over all cycles, the best static tree, and J(policy) / J(best static) with a
+    95% bootstrap interval over requests, the best static tree re-picked in every resample."""
+    rnames = np.array(sorted(set(requests.tolist())), dtype=object)
+    As, ts = _sums_by_request(requests, rnames, A), _sums_by_request(requests, rnames, t)  # [K + 1, R]
+    J = As.sum(1) / ts.sum(1)  # [K + 1]
+    pick = np.random.default_rng(seed).integers(0, len(rnames), size=(n_boot, len(rnames)))  # [B, R]
+    Jb = As[:, pick].sum(2) / ts[:, pick].sum(2)  # [K + 1, B]
+    ratio_b = Jb[0] / Jb[1:].max(0)  # [B]
+    lo, hi = np.quantile(ratio_b, [0.025, 0.975])
+    best = int(np.argmax(J[1:]))
+    return {"J": dict(zip(["policy", *names], J.tolist())), "best_static": names[best],
+            "ratio": float(J[0] / J[1 + best]), "interval": [float(lo), float(hi)], "n_requests": int(len(rnames))}
+
+
+def decide_shipping(*, records: list[Records], structure: Structure, head: PolicyHead, latency: LatencyModel,
+                    sequoia: Structure | None, seed: int, holdout_fraction: float, margin: float = 0.0,
+                    n_boot: int = 2000) -> ShipDecision:
+    """Keep the stop policy `head` over `structure` only if it beats every static tree on held-out
+    record requests with a bootstrap interval above 1 + margin (see the module docstring). `seed` is
+    the seed the head's training split used (`split_requests`)."""
+    data = combine_data([offline_states(records=r, structure=structure, latency=latency) for r in records])
+    cycles = combine_cycles([replay_cycles(r) for r in records])
+    cands = static_candidates(structure, sequoia)
+    names = list(cands)
+    nonempty = [n for n in names if len(cands[n]) > 0]
+    rep = replay(cycles=cycles, structures=[cands[n] for n in nonempty],
+                 depths=np.array([cands[n].max_depth for n in nonempty]), model=latency) if nonempty else None
+    C = len(data.requests)
+    A = np.zeros((len(names) + 1, C))  # row 0: the policy, then the static trees
+    t = np.zeros((len(names) + 1, C))
+    d = policy_depths(head, data)
+    A[0], t[0] = data.accepted[np.arange(C), d - 1], data.seconds[np.arange(C), d - 1]
+    for i, n in enumerate(names, 1):
+        if len(cands[n]) == 0:  # Sequoia chose autoregressive decoding: one token per target step
+            A[i], t[i] = 1.0, latency.t_cycle([], 1, cycles.context_lengths)
+        else:
+            k = nonempty.index(n)
+            A[i], t[i] = rep.accepted[k], rep.seconds[k]
+    _, ho = split_requests(data.requests, fraction=holdout_fraction, seed=seed)
+    J_all = A.sum(1) / t.sum(1)  # [K + 1]
+    best_all = names[int(np.argmax(J_all[1:]))]
+    figs: dict = {"candidates": {n: cands[n].to_list() for n in names}, "J_all": dict(zip(["policy", *names], J_all.tolist())),
+                  "margin": margin, "n_holdout_cycles": int(len(ho))}
+    if len(ho) == 0:
+        return ShipDecision(False, cands[best_all], best_all, "no held-out record requests to test the policy on", figs)
+    cmp = compare_to_static(A=A[:, ho], t=t[:, ho], requests=data.requests[ho], names=names, seed=seed, n_boot=n_boot)
+    figs["holdout"] = cmp
+    lo, hi = cmp["interval"]
+    said = (f"policy / best static tree ({cmp['best_static']}) on {cmp['n_requests']} held-out record requests "
+            f"{cmp['ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
+    if lo > 1.0 + margin:
+        return ShipDecision(True, structure, "policy", f"{said}: above 1 + {margin:g}, the policy ships", figs)
+    return ShipDecision(False, cands[best_all], best_all,
+                        f"{said} does not exclude 1 + {margin:g}: the static tree {best_all} ships (best on all record cycles)",
+                        figs)
