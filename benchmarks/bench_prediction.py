@@ -29,8 +29,8 @@ def main() -> None:
     from ogspo.engine.kernels import read_kernel_table
     from ogspo.engine.policies import Autoregressive, DynamicTree, chain
     from ogspo.methods.registry import make_drafter, make_target
-    from ogspo.stages.evaluate import (MethodSpec, load_prompts, make_method_engine, pair_seed, run_request, slot_order,
-                                       slot_seed, structure_policy)
+    from ogspo.stages.evaluate import (MethodSpec, SpeedProbe, load_prompts, make_method_engine, pair_seed, run_request,
+                                       slot_order, slot_seed, structure_policy)
     from ogspo.stages.model import load_target, read_manifest
 
     ap = argparse.ArgumentParser()
@@ -55,6 +55,7 @@ def main() -> None:
     engines = [make_method_engine(MethodSpec(name=n, kind="eagle-default"), p, target=target, drafter=drafter, temperature=0.0)
                for n, p in policies.items()]
     ratios: dict[str, list[float]] = {n: [] for n in policies}
+    speed = SpeedProbe()
     per_cycle: dict[str, list[tuple[float, float]]] = {n: [] for n in policies}
     for repeat in range(args.repeats):
         for w, plist in prompts.items():
@@ -63,7 +64,7 @@ def main() -> None:
                 for j in slot_order(len(engines), pair_seed(0, 0.0, w, index, repeat), index):
                     me = engines[j]
                     r, fig = run_request(me, prompt, max_new_tokens=args.tokens, seed=slot_seed(0, w, pid, repeat),
-                                         latency=latency)
+                                         latency=latency, speed=speed)
                     ratios[me.spec.name].append(fig["predicted_throughput"] / r.throughput)
                     n = len(r.cycles)
                     per_cycle[me.spec.name].append(((r.wall_seconds - r.prefill_seconds) / n,

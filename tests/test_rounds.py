@@ -31,6 +31,7 @@ from ogspo.learn.rounds import (
 from ogspo.methods.features import N_FEATURES
 from ogspo.methods.ogspo import load_policy_dir
 from ogspo.methods.registry import make_policy
+from ogspo.learn.export import export_policy
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.records import collect_records
 from ogspo.learn.size import fit_size_decision
@@ -277,7 +278,7 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     """A head that always stops after level 1 is S<=1 itself: it cannot beat that static tree, so the rule
     ships the best static tree instead; the rounds folder exports to a static policy folder that the
     lossless `ogspo` method decodes with (a StaticTree, no ONNX head)."""
-    from ogspo.engine.policies import StaticTree
+    from ogspo.engine.policies import Autoregressive, StaticTree
     from ogspo.learn.ship import decide_shipping, static_candidates
 
     lat = synthetic_latency()
@@ -287,10 +288,15 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     ship = decide_shipping(records=[rec], structure=SUB, head=stop_now, latency=lat, sequoia=sequoia, seed=0,
                            holdout_fraction=0.34)
     cands = static_candidates(SUB, sequoia)
-    assert not ship.keep_policy and ship.shipped in cands and "ships" in ship.reason
+    assert not ship.keep_policy and ship.shipped in cands and "ships" in ship.reason and "ar" in cands
     J = ship.figures["J_all"]
     assert J["policy"] == pytest.approx(J["S<=1"])  # the policy is S<=1
     assert ship.shipped == max(cands, key=lambda n: J[n]) and ship.structure.paths == cands[ship.shipped].paths
+    # per workload (request id prefix): the fastest static tree on that workload's cycles, never the dropped policy
+    assert set(ship.workloads) == {r.split("/", 1)[0] for r in rec.cycles["request_id"].to_list()}
+    for w, v in ship.workloads.items():
+        assert v["shipped"] != "policy" and v["shipped"] == max(cands, key=lambda n: v["J"][n])
+        assert v["structure"] == cands[v["shipped"]].to_list()
     # through the stage outputs: no policy.pt, the static tree as structure.json, a static policy folder
     res = rounds_mod.RoundsResult(rows=[], structure=SUB, head=stop_now, lam=1.0, incumbent_round=0, stop_reason="test",
                                   oracle_throughput=None, same_trace=pl.DataFrame())
@@ -301,11 +307,33 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     exp = run_export_policy(rounds_dir=out, out_dir=tmp_path / "policy")
     assert exp.export is None and not (tmp_path / "policy" / "policy.onnx").exists()
     method = make_policy("ogspo", policy_path=tmp_path / "policy")
-    assert isinstance(method, StaticTree) and method.structure.paths == ship.structure.paths
+    if len(ship.structure):
+        assert isinstance(method, StaticTree) and method.structure.paths == ship.structure.paths
+    else:  # autoregressive decoding was the best static tree
+        assert isinstance(method, Autoregressive)
     target_model = tiny_model(0)
     engine = SpeculativeEngine(target=build_tree_lm(target_model, max_len=256), policy=method,
                                drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
     assert engine.generate(PROMPTS[0], max_new_tokens=12).tokens == hf_greedy(target_model, PROMPTS[0], 12)
+
+
+def test_the_ogspo_method_takes_its_workloads_choice(tmp_path):
+    from ogspo.artifacts.structure import write_structure
+    from ogspo.engine.policies import Autoregressive, StaticTree
+
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    export_policy(head=threshold_head("max_cum_prob", 0.3), path=folder / "policy.onnx", structure=SUB, lam=1.0)
+    write_structure(SUB, folder / "structure.json")
+    (folder / "workloads.json").write_text(json.dumps({
+        "chat": {"shipped": "ar", "structure": []}, "code": {"shipped": "S<=1", "structure": [[0], [1]]},
+        "text": {"shipped": "policy", "structure": None}}))
+    assert isinstance(make_policy("ogspo", policy_path=folder, workload="chat"), Autoregressive)
+    code = make_policy("ogspo", policy_path=folder, workload="code")
+    assert isinstance(code, StaticTree) and code.structure.paths == Structure([(0,), (1,)]).paths
+    for w in ("text", None, "unseen"):  # the policy, where it was chosen or nothing was said
+        pol = make_policy("ogspo", policy_path=folder, workload=w)
+        assert pol.hook is not None and pol.structure.paths == SUB.paths
 
 
 def test_a_policy_folder_without_a_head_must_say_it_is_static(tmp_path):

@@ -11,6 +11,12 @@ several noisy J's), so the interval carries that winner's curse against the poli
 The policy is kept only when the interval of J(pi) / J(best static) lies above 1 + margin (its
 lower bound excludes "no gain"). Otherwise the static tree with the highest J over all record
 cycles ships instead, as a plain structure (no policy head), and the decision says why.
+Autoregressive decoding (the empty tree) is one of the static trees.
+
+**Per workload.** Acceptance differs by workload far more than by anything a policy observes, so
+the same comparison is also made per workload (the request id's prefix) over that workload's record
+cycles: it ships the policy where the policy was kept and is fastest there, else the fastest static
+tree there (`ShipDecision.workloads`). The method then picks its workload's choice at decode time.
 """
 
 from __future__ import annotations
@@ -31,16 +37,37 @@ from ogspo.offline.solve import combine_cycles
 class ShipDecision:
     keep_policy: bool  # ship pi over S (False: ship `structure` as a static tree)
     structure: Structure  # what ships: S with the policy, or the best static tree
-    shipped: str  # "policy", "S<=d" or "sequoia"
+    shipped: str  # "policy", "S<=d", "sequoia" or "ar"
     reason: str
     figures: dict = field(default_factory=dict)
+    workloads: dict[str, dict] = field(default_factory=dict)  # workload -> {"shipped", "structure", "J"}
 
 
 def static_candidates(structure: Structure, sequoia: Structure | None) -> dict[str, Structure]:
-    """The static trees a policy over `structure` must beat: S cut at each depth, and Sequoia's tree."""
+    """The static trees a policy over `structure` must beat: S cut at each depth, Sequoia's tree, and
+    autoregressive decoding (the empty tree)."""
     out = {f"S<={d}": Structure([p for p in structure.paths if len(p) <= d]) for d in range(1, structure.max_depth + 1)}
     if sequoia is not None:
         out["sequoia"] = sequoia
+    out["ar"] = Structure([])
+    return out
+
+
+def per_workload(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, names: list[str], cands: dict[str, Structure],
+                 keep_policy: bool) -> dict[str, dict]:
+    """Per workload (request id prefix): the fastest on its record cycles among the static trees (rows
+    1..K of A, t [K + 1, C]), and the policy (row 0) only where it was kept."""
+    work = np.array([str(r).split("/", 1)[0] for r in requests.tolist()], dtype=object)
+    out = {}
+    for w in sorted(set(work.tolist())):
+        rows = work == w
+        J = A[:, rows].sum(1) / t[:, rows].sum(1)  # [K + 1]
+        best = 1 + int(np.argmax(J[1:]))
+        pick = 0 if keep_policy and J[0] >= J[best] else best
+        name = "policy" if pick == 0 else names[pick - 1]
+        structure = cands[names[best - 1]] if pick else None
+        out[w] = {"shipped": name, "structure": None if structure is None else structure.to_list(),
+                  "J": dict(zip(["policy", *names], J.tolist())), "n_cycles": int(rows.sum())}
     return out
 
 
@@ -100,14 +127,18 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     figs: dict = {"candidates": {n: cands[n].to_list() for n in names}, "J_all": dict(zip(["policy", *names], J_all.tolist())),
                   "margin": margin, "n_holdout_cycles": int(len(ho))}
     if len(ho) == 0:
-        return ShipDecision(False, cands[best_all], best_all, "no held-out record requests to test the policy on", figs)
+        return ShipDecision(False, cands[best_all], best_all, "no held-out record requests to test the policy on", figs,
+                            per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=False))
     cmp = compare_to_static(A=A[:, ho], t=t[:, ho], requests=data.requests[ho], names=names, seed=seed, n_boot=n_boot)
     figs["holdout"] = cmp
     lo, hi = cmp["interval"]
     said = (f"policy / best static tree ({cmp['best_static']}) on {cmp['n_requests']} held-out record requests "
             f"{cmp['ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
-    if lo > 1.0 + margin:
-        return ShipDecision(True, structure, "policy", f"{said}: above 1 + {margin:g}, the policy ships", figs)
+    keep = bool(lo > 1.0 + margin)
+    works = per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=keep)
+    by_w = "; per workload: " + ", ".join(f"{w} {v['shipped']}" for w, v in works.items())
+    if keep:
+        return ShipDecision(True, structure, "policy", f"{said}: above 1 + {margin:g}, the policy ships{by_w}", figs, works)
     return ShipDecision(False, cands[best_all], best_all,
-                        f"{said} does not exclude 1 + {margin:g}: the static tree {best_all} ships (best on all record cycles)",
-                        figs)
+                        f"{said} does not exclude 1 + {margin:g}: the static tree {best_all} ships (best on all record "
+                        f"cycles){by_w}", figs, works)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ogspo.artifacts.policy_folder import EXPORT_FILE, INPUT_NAME, POLICY_FILE
+from ogspo.artifacts.policy_folder import EXPORT_FILE, INPUT_NAME, POLICY_FILE, WORKLOADS_FILE
 from ogspo.artifacts.size_rule import SIZE_FILE, SizeRule, read_size_rule
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.policies import Autoregressive, CycleContext, Draft, StaticTree, TreePolicy
@@ -174,13 +174,30 @@ def select_size(rule: SizeRule, tree: DraftTree, context_length: int) -> np.ndar
     return top_confidence_nodes(tree, V)
 
 
+def workload_choice(path: Path, workload: str | None) -> dict | None:
+    """The keep/drop rule's choice for `workload` in a policy folder's workloads.json (None: the folder's own)."""
+    f = Path(path) / WORKLOADS_FILE
+    if workload is None or not f.is_file():
+        return None
+    try:
+        choice = json.loads(f.read_text()).get(workload)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        raise ValueError(f"policy folder {path}: {WORKLOADS_FILE} is not a JSON object of workload choices") from None
+    return choice
+
+
 def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list | None = None, device: str = "cpu",
-               name: str = "ogspo") -> TreePolicy:
+               name: str = "ogspo", workload: str | None = None) -> TreePolicy:
     """The `ogspo` method from a policy folder (policy.onnx + structure.json, and size.json when the size
     decision was kept); `structure` overrides the folder's structure.json (it must equal the structure the
-    policy was trained for)."""
+    policy was trained for). With `workload`, the keep/drop rule's choice for it (workloads.json) wins:
+    the policy, or a static tree (autoregressive decoding when empty)."""
     if policy_path is None:
         raise ValueError("method 'ogspo' needs a policy folder (--policy DIR with policy.onnx and structure.json)")
+    choice = workload_choice(Path(policy_path), workload)
+    if choice is not None and choice.get("shipped") != "policy":
+        S = Structure([tuple(p) for p in choice.get("structure") or []])
+        return StaticTree(S, name=name) if len(S) else Autoregressive(name=name)
 
     S, hook, size = load_policy_dir(Path(policy_path), device=device)
     if len(S) == 0:  # the oracle found drafting not worth it here: decode autoregressively

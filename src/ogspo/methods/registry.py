@@ -30,8 +30,11 @@ def make_policy(
     policy_device: str = "cpu",
     router_path: str | Path | None = None,
     name: str | None = None,
+    workload: str | None = None,
 ) -> TreePolicy:
-    """The tree policy of a decode-time method; `name` labels it in outputs (default: the method's own)."""
+    """The tree policy of a decode-time method; `name` labels it in outputs (default: the method's own).
+    `workload` (method ogspo): the request's workload, whose keep/drop choice in the policy folder's
+    workloads.json is used (the policy, a static tree or autoregressive decoding)."""
     if method == "ar":
         return Autoregressive(name=name or "ar")
     if method == "chain":
@@ -45,7 +48,8 @@ def make_policy(
     if method == "eagle":
         return DynamicTree(total_tokens=total_tokens, depth=depth, top_k=top_k, name=name)
     if method == "ogspo":
-        return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device, name=name or "ogspo")
+        return make_ogspo(policy_path=policy_path, structure=structure, device=policy_device, name=name or "ogspo",
+                          workload=workload)
     if method == "routing":  # pre-drafting routing baseline: a template per cycle, chosen before drafting
         return make_routing(router_path, name=name or "routing")
     raise ValueError(f"unknown method '{method}'; allowed: {', '.join(METHODS)}")

@@ -191,12 +191,12 @@ def fit_catchup(samples: list[tuple[int, float]], min_samples: int = 3) -> list[
     return out
 
 
-def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int,
-                  seed: int) -> tuple[list[tuple[int, float]], list[float], list[tuple[int, float]]]:
+def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int, seed: int):
     """([(verified nodes, overhead)] of speculative cycles, [overhead] of autoregressive steps, [(previous
-    cycle's committed tokens, first draft level seconds)]) in seconds, from real requests of `tokens` new
-    tokens: autoregressive decoding without a drafter, then each of `FIXED_TREES`, then AR again (the AR
-    samples of both runs are kept, so drift between them shows)."""
+    cycle's committed tokens, first draft level seconds)], [(context length, target forward seconds)] of
+    the autoregressive steps), in seconds, from real requests of `tokens` new tokens: autoregressive
+    decoding without a drafter, then each of `FIXED_TREES`, then AR again (the AR samples of both runs
+    are kept, so drift between them shows)."""
     ar = SpeculativeEngine(target=target, policy=Autoregressive())
     trees = [SpeculativeEngine(target=target, policy=StaticTree(S), drafter=drafter) for S in FIXED_TREES]
     ar_samples: list[float] = []
@@ -213,8 +213,11 @@ def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, to
         res = eng.generate(text, max_new_tokens=tokens, seed=seed)
         tree_samples += _overhead_per_cycle(res)
         first += _first_levels(res)
-    ar_samples += [s for _, s in _overhead_per_cycle(ar.generate(prompt, max_new_tokens=tokens, seed=seed))]
-    return tree_samples, ar_samples, first
+    again = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
+    ar_samples += [s for _, s in _overhead_per_cycle(again)]
+    # the one-row forward of an autoregressive step where it runs, in the decode loop: (L, seconds)
+    steps = [(len(prompt) + i, c.verify_seconds) for r in (own, again) for i, c in enumerate(r.cycles)]
+    return tree_samples, ar_samples, first, steps
 
 
 def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
@@ -293,7 +296,14 @@ def calibrate_latency(
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
-    fixed_samples, fixed_ar_samples, first_levels = measure_fixed(target, drafter, text, tokens=fixed_tokens, seed=seed)
+    fixed_samples, fixed_ar_samples, first_levels, ar_steps = measure_fixed(target, drafter, text, tokens=fixed_tokens,
+                                                                            seed=seed)
+    # t_verify(1, L) from the decode loop's own one-row forwards (the table's slope in L kept): timed alone
+    # in the grid, a one-row forward read up to 1.5x the decode loop's on a tiny model (dispatch-bound)
+    if ar_steps and sizes[0] == 1:
+        L1, s1 = np.array(ar_steps, dtype=np.float64).T
+        a[0] = float(np.median(s1 - b[0] * L1))
+        table[0] = [a[0] + b[0] * L for L in contexts]
     fixed, fixed_slope = fit_fixed(fixed_samples)
     catchup = fit_catchup(first_levels)
     fixed_ar = float(np.median(fixed_ar_samples)) if fixed_ar_samples else 0.0

@@ -167,7 +167,8 @@ def build_policy(
     if spec.kind in ("sequoia", "ogspo-structure"):
         return structure_policy(path, spec.name)
     if spec.kind in ("ogspo", "ogspo-policy"):
-        return make_policy("ogspo", policy_path=path, policy_device=policy_device, name=spec.name)
+        return make_policy("ogspo", policy_path=path, policy_device=policy_device, name=spec.name,
+                           workload=workload if spec.kind == "ogspo" else None)
     if spec.kind == "routing":
         return make_policy("routing", router_path=path, name=spec.name)
     raise ValueError(f"unknown method kind '{spec.kind}'")  # pragma: no cover - method_specs validates kinds
@@ -253,7 +254,7 @@ class RequestRow:
     verify_seconds: float
     other_seconds: float
     predicted_seconds: float  # measured prefill + the latency model's time of the cycles that ran (x speed_factor)
-    speed_factor: float  # `probe_speed` after the request: one-token forward now / at calibration
+    speed_factor: float  # `SpeedProbe` after the request: one-token forward now / at calibration (recent median)
     predicted_throughput: float
     lossless: str  # identical | near-tie | n/a (T>0, or the reference itself)
     first_mismatch: int  # -1 when identical / n/a
@@ -278,9 +279,7 @@ def quiet_gc():
 def probe_speed(target, latency, *, reps: int = 3) -> float:
     """The machine's speed now against the calibration: median seconds of `reps` one-token target forwards
     after the committed rows (untimed for the request; the rows are dropped again) over the latency
-    model's t_verify(1, L). A shared machine drifts by several % within minutes, uniformly across shapes;
-    the prediction of a request is scaled by this factor, measured on calibration shapes, not on the
-    request's own times."""
+    model's t_verify(1, L)."""
     dev, L = target.device, target.cache.length
     times = []
     for _ in range(reps):
@@ -294,9 +293,27 @@ def probe_speed(target, latency, *, reps: int = 3) -> float:
     return float(np.median(times)) / float(latency.t_verify(1, L))
 
 
-def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency) -> tuple[GenerationResult, dict]:
+class SpeedProbe:
+    """The drift of the machine since calibration, for the latency model's predictions: after every
+    request, `probe_speed` (three one-token forwards, untimed for the request); the factor used is the
+    median of the last `window` probes (~ the last minutes), because one probe is itself noisy (sd ~15%
+    on a shared 2-core VM) while the drift is slow and uniform across shapes. Measured on calibration
+    shapes, never on the requests' own times."""
+
+    def __init__(self, window: int = 15):
+        self.window = window
+        self.samples: list[float] = []
+
+    def __call__(self, target, latency) -> float:
+        self.samples.append(probe_speed(target, latency))
+        return float(np.median(self.samples[-self.window:]))
+
+
+def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency,
+                speed: SpeedProbe | None = None) -> tuple[GenerationResult, dict]:
     """Decode one request with one method; returns the result and its timing/prediction figures (the
-    prediction is the measured prefill plus the latency model's cycles times the `probe_speed` factor)."""
+    prediction is the measured prefill plus the latency model's cycles, times the drift factor of
+    `speed` when given)."""
     me.log.cycles.clear()
     if me.hook is not None:
         me.hook.seconds = 0.0
@@ -304,14 +321,14 @@ def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, see
         res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
     split = res.time_split()
     policy_s = me.hook.seconds if me.hook is not None else 0.0
-    pred = speed = float("nan")
+    pred = factor = float("nan")
     if latency is not None:
-        speed = probe_speed(me.engine.target, latency)
-        pred = split["prefill"] + speed * predicted_seconds(me.log.cycles, latency)
+        factor = speed(me.engine.target, latency) if speed is not None else 1.0
+        pred = split["prefill"] + factor * predicted_seconds(me.log.cycles, latency)
     figures = {
         "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
         "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
-        "predicted_seconds": pred, "speed_factor": speed,
+        "predicted_seconds": pred, "speed_factor": factor,
         "predicted_throughput": len(res.tokens) / pred if pred > 0 else float("nan"),
     }
     return res, figures
@@ -401,6 +418,7 @@ def evaluate_methods(
     stability: dict[str, dict[str, float]] = {}
     ref_name = next(m.name for m in methods if m.kind == REFERENCE)
     providers: dict[str, dict] = {}
+    speed = SpeedProbe() if latency is not None else None
     for temp in temperatures:
         tag = temperature_tag(temp)
         if TUNED in {m.kind for m in methods} and TUNED in artifacts:
@@ -425,7 +443,8 @@ def evaluate_methods(
                     ref_engine.engine.target.prefill(prompt)  # untimed: the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
                     for pos, me in enumerate(here):
-                        res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency)
+                        res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency,
+                                               speed=speed)
                         if len(res.tokens) != max_new_tokens:  # pragma: no cover - the engine stops at max_new_tokens
                             raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, not {max_new_tokens}")
                         out[me.spec.name] = RequestRow(

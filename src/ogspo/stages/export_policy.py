@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.artifacts.io import write_json
+from ogspo.artifacts.policy_folder import WORKLOADS_FILE
 from ogspo.artifacts.size_rule import SIZE_FILE, read_size_rule, write_size_rule
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.tree import Structure
@@ -13,13 +15,17 @@ from ogspo.learn.export import ExportResult, write_policy_folder
 from ogspo.learn.policy import HEAD_FILE, load_head
 
 
+def _ship(rounds_dir: Path) -> dict:
+    """The keep/drop rule's decision in the rounds folder's rounds.json ({} when absent)."""
+    try:
+        return json.loads((rounds_dir / "rounds.json").read_text()).get("ship") or {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
 def _policy_dropped(rounds_dir: Path) -> bool:
     """True when the rounds folder's rounds.json says the keep/drop rule shipped a static tree."""
-    try:
-        ship = json.loads((rounds_dir / "rounds.json").read_text()).get("ship") or {}
-    except (OSError, json.JSONDecodeError):
-        return False
-    return ship.get("keep_policy") is False
+    return _ship(rounds_dir).get("keep_policy") is False
 
 
 @dataclass
@@ -45,6 +51,11 @@ def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
     if static:
         info["static"] = True  # the keep/drop rule shipped a static tree (rounds.json "ship")
     exp = write_policy_folder(head=head, structure=structure, lam=meta.get("lambda"), out_dir=out_dir, info=info)
+    works = _ship(rounds_dir).get("workloads")
+    if works:  # the keep/drop rule's choice per workload
+        write_json(Path(out_dir) / WORKLOADS_FILE, {w: {"shipped": v["shipped"], "structure": v["structure"]} for w, v in works.items()})
+    elif (Path(out_dir) / WORKLOADS_FILE).exists():
+        (Path(out_dir) / WORKLOADS_FILE).unlink()
     if head is not None and (rounds_dir / SIZE_FILE).is_file():  # the size rule the rounds kept
         write_size_rule(read_size_rule(rounds_dir / SIZE_FILE), Path(out_dir) / SIZE_FILE)
     elif (Path(out_dir) / SIZE_FILE).exists():

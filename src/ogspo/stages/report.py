@@ -441,6 +441,10 @@ def render_shipping(shipping: Mapping[str, dict]) -> list[str]:
         what = "the learned stop policy over its structure" if sh.get("keep_policy") else (
             f"the static tree {sh.get('shipped')} ({len(sh.get('structure', []))} nodes), not the stop policy")
         lines.append(f"- {tag}: {what}. {sh.get('reason', '')}")
+        for w, v in (sh.get("workloads") or {}).items():
+            n = "-" if v.get("structure") is None else len(v["structure"])
+            lines.append(f"  - {w}: {v['shipped']} ({n} nodes; J on its record cycles "
+                         + ", ".join(f"{k} {x:.1f}" for k, x in v.get("J", {}).items()) + ")")
     return lines + [""]
 
 

@@ -97,7 +97,8 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
         "structures": result.structures, "settings": result.settings, "seed": seed, "records": records_dirs,
         "size_decision": size.figures if size is not None else None,
         "ship": None if ship is None else {"keep_policy": ship.keep_policy, "shipped": ship.shipped, "reason": ship.reason,
-                                           "structure": ship.structure.to_list(), **ship.figures},
+                                           "structure": ship.structure.to_list(), "workloads": ship.workloads,
+                                           **ship.figures},
     }
     write_text(out_dir / "rounds.json", json.dumps(_finite(report), indent=1) + "\n")
 
