@@ -27,7 +27,7 @@ from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.stages.calibrate import calibrate_latency
-from ogspo.stages.evaluate import MethodSpec, make_method_engine, run_request
+from ogspo.stages.evaluate import MethodSpec, SpeedProbe, make_method_engine, run_request
 from ogspo.stages.measure_drafter import time_expand
 from ogspo.stages.records import collect_records
 
@@ -109,15 +109,16 @@ def test_engine_creates_every_tensor_on_the_target_device(temperature):
 def test_stages_create_every_tensor_on_the_configured_device(tmp_path):
     model, target, drafter = _eagle_setup(max_len=256)
     with explicit_devices_only():
-        calibrate_latency(target=target, drafter=drafter, tree_sizes=[1, 4], context_lengths=[16, 32], draft_widths=[1, 2],
-                          reps=1, warmup=0, seed=0, held_out_sizes=(), held_out_contexts=(), fixed_tokens=4)
+        cal = calibrate_latency(target=target, drafter=drafter, tree_sizes=[1, 4], context_lengths=[16, 32],
+                                draft_widths=[1, 2], reps=1, warmup=0, seed=0, held_out_sizes=(), held_out_contexts=(),
+                                fixed_tokens=4)
         collect_records(target=target, drafter=drafter, template=Structure.full([2, 1]), prompts=[PROMPT], temperature=1.0,
                         seed=0, max_new_tokens=6, out_dir=tmp_path / "records", shard_size=1, model_checksum="m" * 64,
                         drafter_id="eagle")
         me = make_method_engine(MethodSpec(name="eagle6-3-2", kind="eagle-default", tree=(6, 3, 2)),
                                 DynamicTree(total_tokens=6, depth=3, top_k=2), target=target, drafter=drafter,
-                                temperature=0.0, eos_token_id=None)
-        run_request(me, PROMPT, max_new_tokens=8, seed=1, latency=None)
+                                temperature=0.0)
+        run_request(me, PROMPT, max_new_tokens=8, seed=1, latency=cal.model, speed=SpeedProbe())  # with the speed probe
         time_expand(drafter, PROMPT, target, widths=(1, 2), reps=1)
 
 
