@@ -107,20 +107,13 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     cycles = combine_cycles([replay_cycles(r) for r in records])
     cands = static_candidates(structure, sequoia)
     names = list(cands)
-    nonempty = [n for n in names if len(cands[n]) > 0]
-    rep = replay(cycles=cycles, structures=[cands[n] for n in nonempty],
-                 depths=np.array([cands[n].max_depth for n in nonempty]), model=latency) if nonempty else None
+    # the replay books an empty tree (depth 0) as autoregressive steps
+    rep = replay(cycles=cycles, structures=[cands[n] for n in names], depths=np.array([cands[n].max_depth for n in names]),
+                 model=latency)
     C = len(data.requests)
-    A = np.zeros((len(names) + 1, C))  # row 0: the policy, then the static trees
-    t = np.zeros((len(names) + 1, C))
     d = policy_depths(head, data)
-    A[0], t[0] = data.accepted[np.arange(C), d - 1], data.seconds[np.arange(C), d - 1]
-    for i, n in enumerate(names, 1):
-        if len(cands[n]) == 0:  # Sequoia chose autoregressive decoding: one token per target step
-            A[i], t[i] = 1.0, latency.t_cycle([], 1, cycles.context_lengths)
-        else:
-            k = nonempty.index(n)
-            A[i], t[i] = rep.accepted[k], rep.seconds[k]
+    A = np.vstack([data.accepted[np.arange(C), d - 1], rep.accepted])  # [K + 1, C] row 0: the policy, then the static trees
+    t = np.vstack([data.seconds[np.arange(C), d - 1], rep.seconds])
     _, ho = split_requests(data.requests, fraction=holdout_fraction, seed=seed)
     J_all = A.sum(1) / t.sum(1)  # [K + 1]
     best_all = names[int(np.argmax(J_all[1:]))]

@@ -625,6 +625,7 @@ def write_report(
     pooled = pooled_comparisons(df, method=OGSPO, calib_best=calib_best)
     shipping = {tag: read_shipping(Path(p).with_name("rounds.json")) for tag, p in (rounds or {}).items()}
     shipping = {tag: v for tag, v in shipping.items() if v is not None}
+    checked = latency_check(rows)
     sequoia_docs = {tag: _read_json(Path(p), "sequoia summary") for tag, p in (sequoia or {}).items() if Path(p).is_file()}
     rec_figs = records_figures(oracle=oracle, sequoia=sequoia_docs, rounds=rounds_frames)
     statements = gain_statements(rows, rec_figs)
@@ -635,7 +636,7 @@ def write_report(
                                  "mean_by_temperature": {t: float(np.mean(list(v.values()))) for t, v in ratios.items()},
                                  "mean": float(np.mean(allv)) if allv else None},
         "lossless": lossless, "eagle_tuned": tuned, "oracle": oracle, "best_baseline_calib": calib_best,
-        "shipping": shipping, "latency_check": latency_check(rows),
+        "shipping": shipping, "latency_check": checked,
         "plots": [p.name for p in plots], "left_out": missing, "limits": limits,
         "reference": REFERENCE, "baseline": TUNED,
     })
@@ -644,7 +645,7 @@ def write_report(
     md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned,
                        stability=(ev.get("settings") or {}).get("tune_winner_stability"),
                        comparison=render_comparison(statements, pooled) + render_shipping(shipping)
-                       + render_latency_check(latency_check(rows)))
+                       + render_latency_check(checked))
     if drafter_eval is not None:
         metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") for h, d in (heads or {}).items()}
         md += "\n" + "\n".join(render_heads(_read_json(drafter_eval, "drafter acceptance"), metas))
