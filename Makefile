@@ -54,6 +54,7 @@ dry-run: setup
 	$(RUN) $(BIN)/snakemake --profile profiles/default -n
 
 lint: setup
+	$(BIN)/ruff check src tests benchmarks
 	$(RUN) $(BIN)/snakemake --lint
 
 test: setup

@@ -1,9 +1,17 @@
 # ogspo workflow. Stages live in rules/<stage>.smk; outputs go to results/{device}/.
 #   .venv/bin/snakemake --profile profiles/default     (or: make run)
-# The config is validated (rules/common.smk) before any rule is defined.
+# The config is validated (rules/common.smk) before any rule is defined. After a run,
+#   .venv/bin/snakemake --profile profiles/default --report report.html
+# writes Snakemake's HTML report of it (workflow/report/: its text and the plots' captions).
+from snakemake.utils import min_version
+
+min_version("9.0")
 
 
 configfile: "config/default.yaml"
+
+
+report: "workflow/report/workflow.rst"
 
 
 include: "rules/device.smk"

@@ -1,96 +1,132 @@
-"""Benchmark: acceptance and speed of the trained EAGLE-3-style head on held-out eval prompts.
+"""Benchmark: the draft head's learning curve, acceptance on fixed eval prompts against training tokens.
 
-    .venv/bin/python benchmarks/bench_drafter.py --drafter results/cpu/drafter [--write]
+    .venv/bin/python benchmarks/bench_drafter.py [--budgets 25000 50000 100000 0] [--head today=DIR] [--write]
 
-Runs `ogspo.drafter.measure.measure_drafter` (methods interleaved prompt by prompt: autoregressive,
-a top-1 chain, EAGLE-3 dynamic trees of several sizes; T=0 and T=1) and writes the table, the
-training figures from the head's metadata, and the cost of one head level to docs/BENCHMARKS.md.
+Builds the default recipe's training data (`drafter.train.build_data`: read from the user's cache
+after `make run`), trains one head per token budget on a seeded prefix of its sequences (same
+epochs, so a larger budget trains on more tokens, not longer on the same), then measures every
+head, and any `--head` given (e.g. the head of an earlier recipe), with a top-1 chain on the same
+eval prompts, interleaved prompt by prompt (`stages.measure_drafter`, acceptance only). Prints the
+table and, with --write, puts it in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import REPO, cpu_model, write_section  # noqa: E402
 
 
+def prefix_by_tokens(seqs: list, budget: int, seed: int) -> list:
+    """A seeded shuffle of `seqs` cut where it reaches `budget` tokens (0: all of them)."""
+    order = np.random.default_rng(seed).permutation(len(seqs))
+    out, total = [], 0
+    for i in order:
+        if budget and total >= budget:
+            break
+        out.append(seqs[i])
+        total += len(seqs[i].tokens)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=REPO / "results" / "cpu" / "model")
-    ap.add_argument("--drafter", type=Path, default=REPO / "results" / "cpu" / "drafter")
     ap.add_argument("--workloads", type=Path, default=REPO / "results" / "cpu" / "workloads")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--trees", nargs="+", default=["60,5,10", "2,1,2", "1,1,1"],
-                    help="EAGLE-3 dynamic trees as total_tokens,depth,top_k")
-    ap.add_argument("--chain-depth", type=int, default=4)
-    ap.add_argument("--from-json", type=Path, help="render a measurement the workflow already made "
-                    "(results/cpu/drafter_eval/acceptance.json) instead of measuring again")
+    ap.add_argument("--config", type=Path, nargs="*", default=[], help="YAML files merged over config/default.yaml")
+    ap.add_argument("--budgets", type=int, nargs="*", default=[25_000, 50_000, 100_000, 0],
+                    help="training tokens of each head trained here (0 = all; none: only measure the --head heads)")
+    ap.add_argument("--head", action="append", default=[], help="NAME=DIR: another trained head measured beside them")
+    ap.add_argument("--prompts", type=int, default=12, help="eval prompts per workload")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_drafter")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
-    from ogspo.stages.measure_drafter import MeasureResult, MethodFigures, measure_drafter, render_markdown
+    from ogspo.artifacts.settings import settings
+    from ogspo.drafter.head import HeadConfig
+    from ogspo.drafter.train import build_data, train_head
+    from ogspo.stages.config import load_config
+    from ogspo.stages.measure_drafter import measure_drafter
+    from ogspo.stages.model import load_target, model_checksum
 
-    if args.from_json:
-        d = json.loads(args.from_json.read_text())
-        res = MeasureResult(figures=[MethodFigures(**({"head": "base"} | f)) for f in d["figures"]],
-                            expand_ms={int(k): v for k, v in d["expand_ms"].items()}, seconds=d["seconds"])
-        args.prompts, args.tokens = d.get("prompts_per_workload", args.prompts), d.get("max_new_tokens", args.tokens)
-    else:
-        try:
-            trees = tuple(tuple(int(x) for x in t.split(",")) for t in args.trees)
-        except ValueError:
-            ap.error(f"--trees takes total_tokens,depth,top_k triples such as 60,5,10; got {args.trees}")
-        if any(len(t) != 3 or min(t) < 1 for t in trees):
-            ap.error(f"--trees takes total_tokens,depth,top_k triples of positive integers; got {args.trees}")
-        res = measure_drafter(model_dir=args.model, drafter_dirs={"base": args.drafter}, workloads_dir=args.workloads,
-                              prompts_per_workload=args.prompts, max_new_tokens=args.tokens, trees=trees,
-                              chain_depth=args.chain_depth)
-    meta = json.loads((args.drafter / "drafter.json").read_text())
-    m, tr = meta["metrics"], meta["train"]
-    best, fastest = {}, {}
-    for f in res.figures:
-        if f.method.startswith("eagle"):
-            key = (f.workload, f.temperature)
-            if key not in best or f.tau > best[key].tau:
-                best[key] = f
-            if key not in fastest or f.speedup > fastest[key].speedup:
-                fastest[key] = f
+    full = load_config([REPO / "config" / "default.yaml", *args.config], sections=("drafter", "workloads"), check_paths=False)
+    cfg = settings("drafter", full["drafter"])
+    cfg.pop("gto")
+    fortunes = full["workloads"].get("fortunes") or {}
+    heads = {}
+    for spec in args.head:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path, "drafter.json").is_file():
+            ap.error(f"--head takes NAME=DIR with DIR a drafter folder (drafter.json inside); got {spec!r}")
+        heads[name] = Path(path)
+
+    model, tok = load_target(args.model)
+    checksum = model_checksum(args.model)
+    t0 = time.perf_counter()
+    seqs, stats = build_data(model=model, tokenizer=tok, target_checksum=checksum, workloads_dir=args.workloads,
+                             fortunes_dir=Path(fortunes["dir"]) if fortunes.get("dir") else None, cfg=cfg,
+                             head_cfg=HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"]), seed=0) \
+        if args.budgets else ([], None)
+    data_s = time.perf_counter() - t0
+    rows = []
+    for budget in args.budgets:
+        subset = prefix_by_tokens(seqs, budget, seed=0)
+        label = f"{sum(len(s.tokens) for s in subset) // 1000}k"
+        with tempfile.TemporaryDirectory() as work:
+            r = train_head(model=model, tokenizer=tok, target_checksum=checksum, seqs=subset, cfg=cfg, seed=0,
+                           out_dir=args.out / f"head-{label}", work_dir=Path(work))
+        rows.append((label, r))
+        heads[label] = r.path
+    res = measure_drafter(model_dir=args.model, drafter_dirs=heads, workloads_dir=args.workloads,
+                          prompts_per_workload=args.prompts, max_new_tokens=args.tokens, trees=(), chain_depth=4,
+                          speed_prompts_per_workload=0)
+
+    acc = {(f.head, f.workload, f.temperature): f for f in res.figures}
+    cells = sorted({(f.workload, f.temperature) for f in res.figures}, key=lambda c: (c[1], c[0]))
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_drafter.py " + " ".join(sys.argv[1:])
     lines = [
-        "## EAGLE-3-style head on held-out prompts (`benchmarks/bench_drafter.py`)",
+        "## Draft head: learning curve (`benchmarks/bench_drafter.py`)",
         "",
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
-        f"- reproduce: `{cmd.strip()}` (after `make run` has trained the head)",
-        f"- head: draft vocabulary {meta['head']['draft_vocab']}, feature layers {meta['head']['feature_layers']}, "
-        f"{tr['steps']} steps x batch {tr['batch_size']} x {tr['seq_len']} positions, TTT depth {tr['ttt_steps']}",
-        f"- training data: {m['train_tokens']} tokens (train prompts, the target's own answers, stdlib source); "
-        f"data {m['data_seconds'] / 60:.1f} min + training {m['train_seconds'] / 60:.1f} min on this CPU",
-        f"- held-out (train-split windows) top-1 agreement with the target by TTT step: {[round(a, 3) for a in m['val_top1']]}",
-        f"- {args.prompts} eval prompts per workload, {args.tokens} new tokens, methods interleaved prompt by prompt",
+        f"- reproduce: `{cmd.strip()}` (after `make run`, whose data it reads from the cache)",
+        (f"- data: {stats.tokens} tokens ({stats.generated_tokens} written by the target; prompts by source {stats.prompts}; "
+         f"{stats.near_held_out} dropped as near an eval/calib prompt), "
+         + ("read from the cache" if stats.cached else f"built in {data_s / 60:.1f} min at {stats.tokens_per_second:.0f} tokens/s")
+         if stats else "- no heads trained here: the heads given are measured side by side"),
+        f"- each head: {cfg['epochs']:g} epochs of batches of {cfg['batch_size']} x {cfg['seq_len']} positions, TTT depth "
+        f"{cfg['ttt_steps']}; acceptance: a top-1 chain of 4 on the same {args.prompts} eval prompts per workload, "
+        f"{args.tokens} new tokens, heads interleaved prompt by prompt; first-token acceptance [cycles behind it]",
         "",
-        "Best EAGLE-3 dynamic tree per workload and temperature (tau includes the bonus token):",
-        "",
-        "| workload | T | best tree | tau | speedup vs ar |",
-        "|---|---:|---|---:|---:|",
+        "| head | train tokens | steps | train min | held-out top-1 (TTT 1/2/3) | "
+        + " | ".join(f"{w} T={t:g}" for w, t in cells) + " |",
+        "|---|---:|---:|---:|---|" + "---:|" * len(cells),
     ]
-    for (w, t), f in sorted(best.items()):
-        lines.append(f"| {w} | {t:g} | {f.method} | {f.tau:.2f} | {f.speedup:.2f}x |")
-    lines += ["", "Fastest EAGLE-3 dynamic tree per workload and temperature (median per-prompt throughput ratio "
-              "to autoregressive decoding, side by side):", "",
-              "| workload | T | fastest tree | tau | tokens/s | ar tokens/s | speedup vs ar |", "|---|---:|---|---:|---:|---:|---:|"]
-    ar = {(f.workload, f.temperature): f for f in res.figures if f.method == "ar"}
-    for (w, t), f in sorted(fastest.items()):
-        lines.append(f"| {w} | {t:g} | {f.method} | {f.tau:.2f} | {f.throughput:.1f} | {ar[(w, t)].throughput:.1f} | {f.speedup:.2f}x |")
-    lines += ["", "All methods:", "", render_markdown(res)]
+    trained = dict(rows)
+    for name in heads:
+        r = trained.get(name)
+        first = [acc[(name, w, t)] for w, t in cells]
+        fig = " | ".join(f"{f.accept_by_depth[0]:.3f} [{f.depth_trials[0]}]" for f in first)
+        if r is None:
+            lines.append(f"| {name} | - | - | - | - | {fig} |")
+        else:
+            lines.append(f"| {name} | {r.train_tokens} | {r.steps} | {r.train_seconds / 60:.1f} | "
+                         f"{'/'.join(f'{a:.3f}' for a in r.val_top1)} | {fig} |")
+    lines += ["", "Acceptance by depth (P(depth d accepted | d-1 reached)) of each head:", "",
+              "| head | " + " | ".join(f"{w} T={t:g}" for w, t in cells) + " |", "|---|" + "---|" * len(cells)]
+    for name in heads:
+        lines.append(f"| {name} | " + " | ".join(", ".join(f"{a:.2f}" for a in acc[(name, w, t)].accept_by_depth)
+                                              for w, t in cells) + " |")
     text = "\n".join(lines)
     print(text)
     if args.write:

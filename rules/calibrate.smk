@@ -9,7 +9,7 @@ rule calibrate_latency:
         kernels=KERNELS,
     output:
         json=f"{RESULTS}/latency/latency.json",
-        png=f"{RESULTS}/latency/latency.png",
+        png=report(f"{RESULTS}/latency/latency.png", caption="../workflow/report/latency_fit.rst", category="Latency model"),
     params:
         config=config_json(config, "latency", "seed", "torch_device"),
     log:

@@ -104,7 +104,10 @@ rule report:
     output:
         summary=f"{RESULTS}/report/summary.json",
         md=f"{RESULTS}/report/report.md",
-        plots=[f"{RESULTS}/report/throughput.png", f"{RESULTS}/report/latency.png"],
+        plots=[
+            report(f"{RESULTS}/report/throughput.png", caption="../workflow/report/throughput.rst", category="Evaluation"),
+            report(f"{RESULTS}/report/latency.png", caption="../workflow/report/latency_check.rst", category="Evaluation"),
+        ],
     params:
         structures=lambda wildcards, input: [f"{tag}={d}/structure.json" for tag, d in zip(RECORD_TEMPERATURES, input.policy)],
         rounds=lambda wildcards, input: [f"{tag}={d}/rounds.parquet" for tag, d in zip(RECORD_TEMPERATURES, input.rounds)],

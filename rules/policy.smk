@@ -23,7 +23,8 @@ rule ogspo_rounds:
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
         kernels=KERNELS,
     output:
-        directory(f"{RESULTS}/rounds/T{{temperature}}"),
+        report(directory(f"{RESULTS}/rounds/T{{temperature}}"), patterns=["{name}.png"], caption="../workflow/report/rounds.rst",
+               category="OGSPO rounds", subcategory="T{temperature}"),
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:

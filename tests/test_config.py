@@ -220,3 +220,22 @@ def test_train_drafter_params_leave_out_gto_so_gto_settings_do_not_retrain_the_h
     assert json.loads(config_json(changed, "drafter"))["drafter"]["gto"]["omega"] == 0.0
     # the sliced section still validates: train_gto fills the GTO settings from the defaults
     assert "gto" not in load_config(a, sections=("drafter", "seed"))["drafter"]
+
+
+def test_the_workflow_and_the_package_read_the_same_defaults():
+    """The Snakefile's configfile and the packaged defaults (`settings()`, the Python API) are one
+    file: a copy that drifts in any key or value fails here."""
+    import re
+
+    from ogspo.artifacts.settings import DEFAULTS_FILE
+
+    configfile = re.search(r'^configfile:\s*"([^"]+)"', (REPO / "Snakefile").read_text(), re.M).group(1)
+    workflow = yaml.safe_load((REPO / configfile).read_text())
+    package = yaml.safe_load(DEFAULTS_FILE.read_text())
+
+    def diff(a, b, path=""):
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [d for k in sorted(set(a) | set(b)) for d in diff(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{path}.{k}")]
+        return [] if a == b else [f"{path}: workflow {a!r}, package {b!r}"]
+
+    assert not diff(workflow, package), "config/default.yaml and the packaged default.yaml differ: " + "; ".join(diff(workflow, package))

@@ -157,7 +157,7 @@ def test_corpus_prompts_skip_workload_prompts(tmp_path):
     pl.DataFrame({"prompt_id": ["fortunes/wisdom/0", "fortunes/wisdom/3"]}).write_parquet(wl / "fortunes.parquet")
     tok = _CharTokenizer()
     out = corpus_prompts(workloads_dir=wl, fortunes_dir=fdir, tokenizer=tok, fortunes=10, functions=0, seed=0)
-    texts = [bytes(p).decode() for p in out]
+    texts = [t.prompt for t in out]
     assert len(texts) == 6  # 3 unused fortunes, each plain and as a chat request
     assert not any("number 0" in t or "number 3" in t for t in texts)
     assert sum(t.startswith("<user>") for t in texts) == 3
@@ -167,3 +167,95 @@ def test_corpus_prompts_skip_workload_prompts(tmp_path):
     assert len(code) == 10
     with pytest.raises(ValueError, match="extra_fortunes needs"):
         corpus_prompts(workloads_dir=wl, fortunes_dir=None, tokenizer=tok, fortunes=1, functions=0, seed=0)
+
+
+def test_near_duplicates_of_held_out_prompts_are_dropped():
+    """A copy of an eval prompt, one with a few words changed, and one quoted inside a longer request are
+    dropped; a repeat of an earlier training text is dropped once; unrelated texts are kept."""
+    from ogspo.drafter.corpus import TrainText, decontaminate
+
+    held = ["Write a persuasive essay to convince your friend to try a new hobby that involves the outdoors.",
+            "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\""]
+    items = [TrainText("a", held[0], ""),
+             TrainText("b", "write a PERSUASIVE essay to convince your friend to try a new hobby that involves cooking.", ""),
+             TrainText("c", f"Summarise this in one line: \"{held[0]}\" Then explain why.", ""),
+             TrainText("d", "Explain how photosynthesis turns light into sugar in green plants.", ""),
+             TrainText("e", "Explain how photosynthesis turns light into sugar in green plants!", ""),
+             TrainText("f", "def add(a, b):\n    return a + b  # sum", ""),
+             TrainText("g", "Name three rivers of Europe.", "")]
+    kept, near_held, repeats = decontaminate(items, held)
+    assert [t.source for t in kept] == ["d", "f", "g"]
+    assert (near_held, repeats) == (3, 1)
+
+
+def test_training_prompts_hold_no_eval_or_calib_prompt(tmp_path):
+    """The training prompts `build_data` generates from (workload train splits, extra fortunes, the
+    target's own requests) hold no eval or calib prompt of any workload, nor a near-duplicate: a fortune
+    that repeats an eval prompt under another id is dropped."""
+    import polars as pl
+
+    from ogspo.artifacts.prompts import read_fortunes
+    from ogspo.drafter.corpus import NearDuplicateIndex, decontaminate, held_out_texts
+    from ogspo.drafter.data import corpus_prompts, train_prompts
+
+    fdir = tmp_path / "fortunes"
+    fdir.mkdir()
+    entries = ["A watched pot never boils, said the cook, and went off to read the paper instead of waiting.",
+               "Fortune seven: the early bird gets the worm, but the second mouse gets the cheese in the trap.",
+               "A watched pot never boils, said the cook, and went off to read the paper instead of waiting!",
+               "Nothing is so permanent as a temporary arrangement made by a committee on a Friday afternoon."]
+    (fdir / "wisdom").write_text("\n%\n".join(entries) + "\n")
+    first = [p.text for p in read_fortunes(fdir)]  # a fortune's prompt is its first part, as the workload has it
+    wl = tmp_path / "workloads"
+    wl.mkdir()
+    pl.DataFrame({"prompt_id": ["fortunes/wisdom/0", "fortunes/wisdom/1", "fortunes/x/9"],
+                  "split": ["eval", "train", "calib"],
+                  "text": [first[0], first[1], "An unrelated calib prompt about the weather in spring and autumn."],
+                  "prompt": [first[0], first[1], "An unrelated calib prompt"]}).write_parquet(wl / "fortunes.parquet")
+    tok = _CharTokenizer()
+    texts = train_prompts(workloads_dir=wl, tokenizer=tok, chat_variants=True, max_per_workload=None)
+    texts += corpus_prompts(workloads_dir=wl, fortunes_dir=fdir, tokenizer=tok, fortunes=10, functions=3, seed=0)
+    held = held_out_texts(wl)
+    assert len(held) == 2
+    kept, near_held, _ = decontaminate(texts, held)
+    assert near_held >= 2  # fortune 2 (a copy of eval fortune 0), plain and as a chat request
+    index = NearDuplicateIndex(held)
+    assert not any(index.near(t.text) for t in kept)
+    assert any(t.text == first[3] for t in kept) and any(t.text == first[1] for t in kept)
+
+
+def test_self_written_requests_and_the_data_cache(tmp_path, smollm2_dir):
+    """SmolLM2 writes its own requests (seeded, no template markers); `build_data` answers them beside
+    the train prompts, greedy and sampled, and a second build with the same recipe reads the cache."""
+    import polars as pl
+
+    from ogspo.artifacts.settings import settings
+    from ogspo.drafter.data import self_instructions
+    from ogspo.drafter.head import HeadConfig
+    from ogspo.drafter.train import build_data
+    from ogspo.stages.model import load_target
+
+    model, tok = load_target(smollm2_dir)
+    lm = build_tree_lm(model, max_len=128, feature_layers=(1, 14, 26))
+    reqs = self_instructions(lm, tok, n=4, max_tokens=24, batch=4, seed=0)
+    assert len(reqs) >= 2 and all("<|" not in r and len(r.split()) >= 4 for r in reqs)
+    assert reqs == self_instructions(lm, tok, n=4, max_tokens=24, batch=2, seed=0)  # batching does not change them
+    wl = tmp_path / "workloads"
+    wl.mkdir()
+    texts = ["The capital of France is", "Once upon a time, in a quiet village by the sea,"]
+    pl.DataFrame({"prompt_id": ["t/0", "t/1"], "split": ["train", "eval"], "text": texts, "prompt": texts}
+                 ).write_parquet(wl / "text.parquet")
+    cfg = settings("drafter", {"self_instruct": 3, "instruct_max_tokens": 16, "max_new_tokens": 5, "sampled": 1,
+                               "extra_fortunes": 0, "extra_functions": 0, "stdlib_tokens": 40, "seq_len": 32,
+                               "gen_batch": 4, "gen_rows": 64, "cache_dir": str(tmp_path / "cache")})
+    cfg.pop("gto")
+    head_cfg = HeadConfig.for_target(model, draft_vocab=512)
+    kw = dict(model=model, tokenizer=tok, target_checksum="abc", workloads_dir=wl, fortunes_dir=None, cfg=cfg,
+              head_cfg=head_cfg, seed=0)
+    seqs, stats = build_data(**kw)
+    n = stats.prompts["text/train"] + stats.prompts.get("self-instruct", 0)
+    assert stats.prompts["text/train"] == 1 and stats.self_instructions == 3 and not stats.cached
+    assert stats.generated_tokens == 2 * n * 4  # greedy and sampled, 5 new tokens each, the last never fed back
+    assert stats.tokens_per_second > 0 and sum(s.feats is not None for s in seqs) == len(seqs)
+    again, stats2 = build_data(**kw)
+    assert stats2.cached and [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in seqs]

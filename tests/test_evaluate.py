@@ -25,11 +25,10 @@ from ogspo.stages.evaluate import (
     method_specs,
     slot_order,
     structure_policy,
-    summarize_requests,
-    tune_eagle,
     write_evaluation,
-    write_tuning,
 )
+from ogspo.stages.summary import summarize_requests
+from ogspo.stages.tune import tune_eagle, write_tuning
 
 PROMPTS = {
     "alpha": [("a0", [5, 9, 13, 2, 7]), ("a1", [3, 3, 3, 3, 3, 3, 40, 41])],

@@ -35,9 +35,24 @@ class SeededStops:
         return bool(self.rng.random() < 0.3)
 
 
+class CountingOgspo(OgspoTree):
+    """OGSPO's tree that also keeps (drafted, verified) node counts of every cycle, root excluded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sizes: list[tuple[int, int]] = []
+
+    def draft(self, drafter, root, ctx, *, stop_hook=None):
+        d = super().draft(drafter, root, ctx, stop_hook=stop_hook)
+        self.sizes.append((len(d.drafted) - 1, len(d.verified) - 1))
+        return d
+
+
 def policies():
     S = Structure([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
-    size = SizeRule(lam=50.0, edges=[-1.0], probs=[0.2, 0.9], verify_intercept=[0.01 + 0.002 * n for n in range(len(S) + 1)],
+    # each node costs lambda * 0.008 = 0.4 tokens of verification: the rule keeps a confident node
+    # (cumulative log-prob above -1: p = 0.9) and prunes the others (p = 0.2)
+    size = SizeRule(lam=50.0, edges=[-1.0], probs=[0.2, 0.9], verify_intercept=[0.01 + 0.008 * n for n in range(len(S) + 1)],
                     verify_slope=[0.0] * (len(S) + 1), meta={})
     return [
         Autoregressive(),
@@ -46,7 +61,7 @@ def policies():
         DynamicTree(total_tokens=12, depth=4, top_k=3),
         # OGSPO's decode-time shape: its structure, stop decisions between levels, and the size rule
         # verifying the top-V drafted nodes by confidence
-        OgspoTree(S, SeededStops(), size_rule=size),
+        CountingOgspo(S, SeededStops(), size_rule=size),
     ]
 
 
@@ -65,7 +80,7 @@ def test_every_tree_policy_is_lossless_against_transformers(family, backend):
     draft_model = perturbed(model)
     target = build_tree_lm(model, backend=backend, max_len=256)
     assert isinstance(target, LlamaTreeLM if backend == "llama" else HFTreeLM)
-    accepted = []
+    accepted, sizes = [], []
     for prompt in PROMPTS:
         ref = hf_greedy(model, prompt, N_NEW)
         for policy in policies():
@@ -74,7 +89,11 @@ def test_every_tree_policy_is_lossless_against_transformers(family, backend):
             assert res.tokens == ref, f"{family}/{backend}/{policy.name} diverged on {prompt}"
             if policy.max_nodes > 1:
                 accepted += [c.accepted for c in res.cycles]
+            if isinstance(policy, CountingOgspo):
+                sizes += policy.sizes
     assert np.mean(accepted) > 1.5, f"{family}: mean accepted length {np.mean(accepted):.2f}: the drafter tests too little"
+    # the size rule pruned some cycles' trees and verified drafted nodes in others: both paths decoded losslessly
+    assert any(v < d for d, v in sizes) and any(v > 0 for d, v in sizes), sizes
 
 
 @pytest.mark.parametrize("family,backend", [("mistral-sliding", "llama"), ("mistral-sliding", "hf"),

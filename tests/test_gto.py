@@ -164,6 +164,45 @@ def test_gto_term_is_zero_while_the_head_equals_its_reference():
     assert max(float(p.grad.abs().max()) for p in current.parameters() if p.grad is not None) < 1e-5
 
 
+def test_a_step_against_the_gto_loss_favours_the_paths_that_beat_their_reference():
+    """L_GTO alone: a small gradient step on it raises sum_i A_i log p(S_i), the likelihood of the
+    paths whose trees beat their reference tree's reward (A_i > 0) against those that lose to it.
+    A sign-flipped surrogate or advantage lowers it, and fails here."""
+    from ogspo.drafter.gto import group_advantages
+
+    target, head, seqs, scorer = _gto_setup(seed=1)
+    reference, _, t2d = _trained_reference(target, head, seqs)
+    current = _copy_head(reference)
+    with torch.no_grad():  # off its reference, so that some trees differ from the reference's
+        g = torch.Generator().manual_seed(3)
+        for p in current.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    drafters = (EagleDrafter(current, max_len=64), EagleDrafter(reference, max_len=64))
+    groups = np.array([[i, s] for i in range(len(seqs)) for s in range(1, 32, 4)])
+    m = GTO_CFG["group"]
+    rewards, ref_rewards, items = np.zeros((len(groups), m)), np.zeros((len(groups), m)), []
+    for gi, (i, s) in enumerate(groups):  # the pieces gto_loss is made of
+        for k, (cur, ref) in enumerate(scorer.score(list(drafters), seqs[i], int(s), m)):
+            rewards[gi, k], ref_rewards[gi, k] = cur.reward, ref.reward
+            items.append((int(i), int(s) + k, cur.path))
+    adv = group_advantages(torch.as_tensor(rewards), torch.as_tensor(ref_rewards), delta=GTO_CFG["delta"]).flatten().float()
+    assert (adv > 0).any() and (adv < 0).any()
+    (before,) = path_logprobs([current], seqs, items, GTO_CFG["context"], t2d)
+    current.train()
+    loss, _ = gto_loss(current, reference, drafters, scorer, seqs, groups, t2d, GTO_CFG)
+    current.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in current.parameters():
+            if p.grad is not None:
+                p.sub_(1e-3 * p.grad)
+    current.eval()
+    (after,) = path_logprobs([current], seqs, items, GTO_CFG["context"], t2d)
+    gain = float((adv * (after.detach() - before.detach())).sum())
+    assert gain > 0, gain
+
+
 def test_gto_steps_raise_the_reward_on_their_batch():
     """The stage's step (L_token + omega L_GTO on the batch's windows and groups), repeated on one
     batch, raises the Draft Tree Reward and the accepted length of the current head's trees on its

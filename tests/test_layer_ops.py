@@ -153,3 +153,81 @@ def test_native_ops_refuse_what_they_do_not_run():
                 cos_table=torch.zeros(4, HD), sin_table=torch.zeros(4, HD))
     with pytest.raises(ValueError, match="single-sequence"):
         ops.rope_attention(torch.zeros(2, 1, (H + 2 * KV) * HD), None, step, torch.zeros(2, KV, 4, HD), torch.zeros(2, KV, 4, HD))
+
+
+def _one_line(info) -> str:
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_native_attention_refuses_rows_outside_the_cache_or_the_rotary_table():
+    """What would read or write out of bounds in C is one clear error instead: rows past the
+    cache, a committed prefix past the start, a position past the rotary table, a wrong mask shape,
+    a non-contiguous or wrongly shaped cache, another dtype."""
+    ops = _ops("native1")
+    g = torch.Generator().manual_seed(0)
+    cos, sin = _rope(g)
+    keys, values = _caches(g, 8)
+
+    def step(m, start, committed=None, positions=None, attend=None, table=(cos, sin)):
+        pos = torch.arange(start, start + m)[None] if positions is None else positions
+        return Step(positions=pos, start=start, committed=start if committed is None else committed, attend=attend,
+                    mask=None, cos_table=table[0], sin_table=table[1])
+
+    qkv = lambda m: torch.randn(1, m, (H + 2 * KV) * HD, generator=g)  # noqa: E731
+    ok = ops.rope_attention(qkv(2), None, step(2, 8), keys, values)
+    assert ok.shape == (1, 2, H * HD) and torch.isfinite(ok).all()
+    cases = [
+        (step(4, MAX_LEN - 2), keys, values, "do not fit the cache"),
+        (step(2, 8, committed=10), keys, values, "do not fit the cache"),
+        (step(2, 8, positions=torch.tensor([[8, MAX_LEN]])), keys, values, "outside the rotary table"),
+        (step(2, 8, positions=torch.tensor([[8, -1]])), keys, values, "outside the rotary table"),
+        (step(2, 8, committed=6, attend=torch.ones(2, 2, dtype=torch.bool)), keys, values, r"attend must be \[m, pending rows\]"),
+        (step(2, 8, table=(cos[:, :8], sin[:, :8])), keys, values, "rotary tables must be contiguous"),
+        (step(2, 8), keys.transpose(2, 3), values, "keys must be a contiguous"),
+        (step(2, 8), keys, values[:, :1], "values must be a contiguous"),
+        (step(2, 8), keys.double(), values, "fp32 CPU tensors: keys"),
+    ]
+    for st, k, v, match in cases:
+        with pytest.raises(ValueError, match=match) as info:
+            ops.rope_attention(qkv(st.m), None, st, k, v)
+        _one_line(info)
+    with pytest.raises(ValueError, match=r"qkv rows of 10") as info:
+        ops.rope_attention(torch.zeros(1, 2, 10), None, step(2, 8), keys, values)
+    _one_line(info)
+
+
+def test_native_norm_activation_and_gemm_refuse_bad_shapes_and_take_zero_rows():
+    ops = _ops("native1")
+    x = torch.randn(1, 3, DIM)
+    with pytest.raises(ValueError, match="do not match") as info:
+        ops.add_rmsnorm(x, torch.randn(1, 2, DIM), torch.ones(DIM))
+    _one_line(info)
+    with pytest.raises(ValueError, match="do not match"):
+        ops.add_rmsnorm(x, None, torch.ones(DIM + 1))
+    with pytest.raises(ValueError, match="in place on a contiguous x"):
+        ops.add_rmsnorm(torch.randn(1, DIM, 3).transpose(1, 2), None, torch.ones(DIM))
+    with pytest.raises(ValueError, match="even width"):
+        ops.silu_mul(torch.randn(1, 2, 2 * INTER + 1))
+    with pytest.raises(ValueError, match="fp32 CPU tensors: gate/up"):
+        ops.silu_mul(torch.randn(1, 2, 2 * INTER).half())
+    w = native.PackedWeight(torch.randn(40, DIM))
+    assert w.matmul(torch.zeros(0, DIM), threads=2).shape == (0, 40)  # m = 0: nothing to do (it divided by zero)
+    assert w.matmul(torch.zeros(1, 0, DIM), threads=0).shape == (1, 0, 40)
+    with pytest.raises(ValueError, match="fp32 CPU rows of 96") as info:
+        w.matmul(torch.zeros(2, DIM + 1), threads=1)
+    _one_line(info)
+    with pytest.raises(ValueError, match="fp32 CPU rows"):
+        w.matmul(torch.zeros(2, DIM, dtype=torch.float64), threads=1)
+
+
+def test_the_native_library_shares_the_openmp_runtime_torch_loaded():
+    """One libgomp in the process after the native library is loaded (two runtimes would each keep a
+    thread pool spinning on the same cores)."""
+    from pathlib import Path
+
+    native.load()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if Path(line.split()[-1]).name.startswith("libgomp")}
+    assert len(gomp) <= 1, gomp

@@ -54,6 +54,16 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
         md = (out / "report" / "report.md").read_text()
         assert "### A/A check" in md and "against the best baseline" in md and "TTFT p50" in md
         assert "## Draft heads" in md and " | base | " in md and " | gto | " in md and "Draft Tree Reward" in md
+        # Snakemake's own HTML report of the run, with the plots the rules mark for it
+        html = tmp_path / "report.html"
+        rep = subprocess.run(
+            [str(Path(sys.executable).parent / "snakemake"), "--profile", "profiles/default",
+             "--configfile", "config/quick.yaml", str(override), "--report", str(html)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert rep.returncode == 0 and html.is_file(), rep.stderr[-3000:]
+        page = html.read_text(errors="replace")
+        assert all(name in page for name in ("throughput.png", "latency.png", "rounds.png")), "plots missing from report.html"
         # the README's Python API example, on this run's results
         example = readme_example().replace("results/cpu/", f"results/{device}/")
         run = subprocess.run([sys.executable, "-c", example], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

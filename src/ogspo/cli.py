@@ -25,23 +25,21 @@ from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_draft
 from ogspo.offline.replay import replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_oracle
 from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_device_kernels, calibrate_latency, write_calibration
-from ogspo.stages.config import ConfigError, load_config
+from ogspo.stages.config import check_temperature, ConfigError, load_config
 from ogspo.stages.evaluate import (
     evaluate_methods,
     load_prompts,
     method_specs,
     oracle_throughputs,
-    render_summary,
     structure_policy,
-    temperature_tag,
-    tune_eagle,
     write_evaluation,
-    write_tuning,
 )
+from ogspo.stages.summary import render_summary, temperature_tag
+from ogspo.stages.tune import tune_eagle, write_tuning
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
 from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
-from ogspo.stages.records import collect_records
+from ogspo.stages.records import collect_records, read_calib_table
 from ogspo.stages.report import write_report
 from ogspo.stages.resolve import resolve_device
 from ogspo.stages.rounds import run_rounds_stage
@@ -75,7 +73,6 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
 def _load_config(args: argparse.Namespace, sections: tuple[str, ...]) -> dict:
     import json
 
-
     if args.config_json is not None:
         try:
             source = json.loads(args.config_json)
@@ -97,13 +94,10 @@ def _add_prepare_model(p: argparse.ArgumentParser) -> None:
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("model", "dtype"))
     prepared = prepare_model(source=cfg["model"], out_dir=args.out, dtype=cfg["dtype"])
-    print(
-        f"prepared {prepared.source} -> {prepared.path} "
-        f"(sha256 {prepared.checksum[:16]}..., source load {prepared.load_seconds:.1f} s)"
-    )
+    print(f"prepared {prepared.source} -> {prepared.path} (sha256 {prepared.checksum[:16]}..., "
+          f"source load {prepared.load_seconds:.1f} s)")
     return 0
 
 
@@ -117,14 +111,11 @@ def _add_prepare_workloads(p: argparse.ArgumentParser) -> None:
 
 
 def _run_prepare_workloads(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("workloads", "seed"))
     result = prepare_workloads(config=cfg, tokenizer=load_tokenizer(args.model), out_dir=args.out)
     for t in result.tables:
-        print(
-            f"{t.name}: {t.n_train} train + {t.n_calib} calib + {t.n_eval} eval prompts -> {t.path} "
-            f"(max {t.max_tokens} tokens, {t.n_dropped} dropped as too long)"
-        )
+        print(f"{t.name}: {t.n_train} train + {t.n_calib} calib + {t.n_eval} eval prompts -> {t.path} "
+              f"(max {t.max_tokens} tokens, {t.n_dropped} dropped as too long)")
     return 0
 
 
@@ -132,7 +123,6 @@ def _run_prepare_workloads(args: argparse.Namespace) -> int:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
     p.add_argument("--method", default="eagle", help=f"one of {', '.join(METHODS)} (default eagle)")
@@ -158,7 +148,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-
     if args.drafter == "eagle" and args.drafter_path is None and args.method != "ar":
         raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
     drafter = None if args.method == "ar" else args.drafter_path if args.drafter == "eagle" else args.drafter
@@ -183,7 +172,6 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_model_drafter(p: argparse.ArgumentParser) -> None:
-
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
     p.add_argument("--drafter", required=True, help=f"drafter spec for ogspo.methods.make_drafter ({', '.join(DRAFTERS)}, ...)")
     p.add_argument("--drafter-path", type=Path, help="drafter folder (trained drafters), passed to make_drafter as path=")
@@ -196,7 +184,6 @@ def _add_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def _read_kernels(args: argparse.Namespace):
-
     return None if args.kernels is None else read_kernel_table(args.kernels)
 
 
@@ -224,7 +211,6 @@ def _add_calibrate_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_kernels(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("kernels", "torch_device"))
     model, _ = load_target(args.model, device=cfg["torch_device"])
     table, cached = calibrate_device_kernels(model, cfg["kernels"], device=cfg["torch_device"], cache=args.cache_dir,
@@ -243,7 +229,6 @@ def _add_calibrate_latency(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_latency(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("latency", "seed", "torch_device"))
     lat = cfg["latency"]
     target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
@@ -273,21 +258,11 @@ def _add_collect_records(p: argparse.ArgumentParser) -> None:
 
 
 def _run_collect_records(args: argparse.Namespace) -> int:
-    import polars as pl
-
-
     cfg = _load_config(args, ("records", "seed", "torch_device"))
     rc = cfg["records"]
     tpl = rc["template"]
-    if len(tpl["widths"]) != tpl["depth"]:
-        raise ValueError(f"records.template.widths has {len(tpl['widths'])} entries, depth is {tpl['depth']}")
-    if args.temperature not in [float(t) for t in rc["temperatures"]]:
-        raise ValueError(f"temperature {args.temperature} is not among records.temperatures {rc['temperatures']}")
-    if not args.workload_file.is_file():
-        raise FileNotFoundError(f"workload file {args.workload_file} does not exist")
-    table = pl.read_parquet(args.workload_file).filter(pl.col("split") == "calib").sort("prompt_id").head(rc["prompts_per_workload"])
-    if table.height == 0:
-        raise ValueError(f"{args.workload_file} has no calib prompts (workloads.<name>.calib_prompts)")
+    check_temperature(args.temperature, cfg)
+    table = read_calib_table(args.workload_file, rc["prompts_per_workload"])
     target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
     prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
     ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
@@ -347,7 +322,6 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_drafter(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
     r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
                           fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
@@ -366,7 +340,6 @@ def _add_train_gto(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_gto(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
     r = run_train_gto(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads, out_dir=args.out,
                       work_dir=args.work, fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"],
@@ -388,14 +361,14 @@ def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
 
 
 def _run_measure_drafter(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("measure_drafter", "seed", "torch_device"))
     m = cfg["measure_drafter"]
     result = measure_drafter(
         model_dir=args.model, drafter_dirs={"base": args.drafter} | ({"gto": args.gto_drafter} if args.gto_drafter else {}),
         workloads_dir=args.workloads, prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
         temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
-        chain_depth=m["chain_depth"], seed=cfg["seed"], kernels=_read_kernels(args), device=cfg["torch_device"],
+        chain_depth=m["chain_depth"], speed_prompts_per_workload=m["speed_prompts_per_workload"], seed=cfg["seed"],
+        kernels=_read_kernels(args), device=cfg["torch_device"],
     )
     write_measure(result, args.out_json, args.out_md)
     print(render_markdown(result))
@@ -413,7 +386,6 @@ def _add_solve_oracle(p: argparse.ArgumentParser) -> None:
 
 
 def _run_solve_oracle(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("solve",))
     cycles = combine_cycles([replay_cycles(load_records(d)) for d in args.records])
     result = solve_oracle(cycles=cycles, latency=LatencyModel.from_json(args.latency), config=cfg)
@@ -442,7 +414,6 @@ def _add_train_policy(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_policy(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("policy", "seed"))
     r = run_train_policy(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle,
                          out_dir=args.out, config=cfg["policy"], seed=cfg["seed"])
@@ -471,7 +442,6 @@ def _add_resolve_device(p: argparse.ArgumentParser) -> None:
 
 
 def _run_resolve_device(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("solve", "policy", "seed"))
     r = resolve_device(records_dirs=args.records, latency_path=args.latency, out_dir=args.out, config=cfg, seed=cfg["seed"])
     pol = f", policy J {r.policy.train.train.throughput:.3f}" if r.policy.train else ", autoregressive"
@@ -496,7 +466,6 @@ def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
 
 
 def _run_ogspo_rounds(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("rounds", "policy", "solve", "seed", "torch_device"))
 
     def load_engine():
@@ -523,7 +492,6 @@ def _add_export_policy(p: argparse.ArgumentParser) -> None:
 
 
 def _run_export_policy(args: argparse.Namespace) -> int:
-
     r = run_export_policy(rounds_dir=args.rounds, out_dir=args.out)
     what = (f"policy.onnx ({r.export.bytes} bytes)" if r.export is not None else "a static tree (no policy.onnx)"
             if len(r.structure) else "autoregressive (empty structure, no policy.onnx)")
@@ -542,7 +510,6 @@ def _add_build_sequoia(p: argparse.ArgumentParser) -> None:
 
 
 def _run_build_sequoia(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("baselines",))
     r = build_sequoia(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["sequoia"], out_dir=args.out)
     replayed = (f"replayed {r.replayed[r.size]:.3f} tokens/s on {r.n_cycles} record cycles" if r.inside_template
@@ -561,7 +528,6 @@ def _add_train_routing(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_routing(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("baselines", "seed"))
     r = run_train_routing(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["routing"],
                           seed=cfg["seed"], out_dir=args.out)
@@ -599,11 +565,9 @@ def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
 
 
 def _run_tune_eagle(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
     ev = cfg["evaluate"]
-    if args.temperature not in [float(t) for t in cfg["records"]["temperatures"]]:
-        raise ValueError(f"temperature {args.temperature} is not among records.temperatures {cfg['records']['temperatures']}")
+    check_temperature(args.temperature, cfg)
     target, drafter, _, _, tok = _load_model_drafter(args, cfg)
     prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
     static = None if args.static is None else structure_policy(args.static, "sequoia")
@@ -616,7 +580,6 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
 
 
 def _add_evaluate(p: argparse.ArgumentParser) -> None:
-
     _add_config(p)
     _add_model_drafter(p)
     p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (eval split is used)")
@@ -629,13 +592,9 @@ def _add_evaluate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-
     cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
     ev = cfg["evaluate"]
     specs = method_specs(methods=ev["methods"], chains=ev["chains"], eagle_default=ev["eagle_default"])
-    light = [m for m in ev["light_methods"] if m not in ev["methods"]]
-    if light:
-        raise ValueError(f"evaluate.light_methods has '{light[0]}', which is not in evaluate.methods {ev['methods']}")
     artifacts = _key_paths(args.artifact, "--artifact", ARTIFACT_KINDS)
     lacking = sorted({s.kind for s in specs if s.kind in ARTIFACT_KINDS} - set(artifacts))
     if lacking:
@@ -676,7 +635,6 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-
     r = write_report(
         evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
         records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
@@ -708,7 +666,7 @@ COMMANDS: dict[str, Command] = {
     "export-policy": Command("export the final head of OGSPO rounds as a policy folder", _add_export_policy, _run_export_policy),
     "build-sequoia": Command("Sequoia-style static tree from records (baseline)", _add_build_sequoia, _run_build_sequoia),
     "train-routing": Command("pre-drafting routing classifier from records (baseline)", _add_train_routing, _run_train_routing),
-    "tune-eagle": Command("grid-search EAGLE-3 tree settings on train prompts", _add_tune_eagle, _run_tune_eagle),
+    "tune-eagle": Command("grid-search EAGLE-3 tree settings (and pick the best baseline) on calib prompts", _add_tune_eagle, _run_tune_eagle),
     "evaluate": Command("all methods side by side on eval prompts, with the lossless check", _add_evaluate, _run_evaluate),
     "report": Command("tables and plots from the evaluation", _add_report, _run_report),
 }
@@ -725,7 +683,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

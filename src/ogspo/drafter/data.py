@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from ogspo.artifacts.prompts import adds_bos, has_chat_template, read_fortunes, render_chat, render_raw
 from ogspo.engine.target import TreeLM
 
+from .corpus import NearDuplicateIndex, TrainText, clean_request, user_turn_prefix
+
 CHAT_VARIANTS = {
     "humaneval": "Complete the following Python function and explain it briefly:\n\n{text}",
     "fortunes": "Continue this thought in a few sentences: {text}",
@@ -56,29 +58,28 @@ class Sequence:
     top_p: torch.Tensor | None = None  # [n, K] float16 their probabilities
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(render_chat(tokenizer, text), add_special_tokens=False).input_ids
-
-
-def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[list[int]]:
-    """Token ids of the `train` prompts of every workload (plus chat variants), in a fixed order."""
-    out: list[list[int]] = []
+def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[TrainText]:
+    """The `train` prompts of every workload (plus chat variants), in a fixed order."""
+    out: list[TrainText] = []
     for path in sorted(Path(workloads_dir).glob("*.parquet")):
         df = pl.read_parquet(path).filter(pl.col("split") == "train").sort("prompt_id")
         if max_per_workload:
             df = df.head(max_per_workload)
         name = path.stem
         for row in df.iter_rows(named=True):
-            out.append(tokenizer(row["prompt"], add_special_tokens=False).input_ids)
+            out.append(TrainText(f"{name}/train", row["text"], row["prompt"]))
             if chat_variants and name in CHAT_VARIANTS:
-                out.append(chat_ids(tokenizer, CHAT_VARIANTS[name].format(text=row["text"])))
+                request = CHAT_VARIANTS[name].format(text=row["text"])
+                out.append(TrainText(f"{name}/chat", request, render_chat(tokenizer, request)))
     if not out:
         raise ValueError(f"no train prompts found under {workloads_dir} (run prepare_workloads first)")
     return out
 
 
-def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int) -> list[list[int]]:
-    """Chunks of Python standard-library source, a seeded sample of files, up to max_tokens."""
+def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int, held_out: NearDuplicateIndex | None = None
+                     ) -> list[list[int]]:
+    """Chunks of Python standard-library source, a seeded sample of files, up to max_tokens; a chunk
+    near a held-out prompt (`held_out`) is left out."""
     if max_tokens <= 0:
         return []
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -89,7 +90,10 @@ def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int) -> 
     for i in rng.permutation(len(files)):
         ids = tokenizer(files[i].read_text(errors="replace"), add_special_tokens=False).input_ids
         for s in range(0, len(ids) - 32, seq_len - len(bos)):
-            out.append(bos + ids[s : s + seq_len - len(bos)])
+            chunk = ids[s : s + seq_len - len(bos)]
+            if held_out is not None and held_out.near(tokenizer.decode(chunk)):
+                continue
+            out.append(bos + chunk)
             total += len(out[-1])
             if total >= max_tokens:
                 return out
@@ -123,14 +127,14 @@ def stdlib_functions(*, max_functions: int, seed: int, max_chars: int = 1200) ->
 
 
 def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer, fortunes: int, functions: int,
-                   seed: int) -> list[list[int]]:
+                   seed: int) -> list[TrainText]:
     """Extra training prompts from corpora on every machine, never a workload prompt: fortunes the
     workloads did not select (as continuation prompts and as chat requests) and documented functions of
     the standard library (as code prompts and as chat requests), `fortunes` and `functions` of each.
     A model without a chat template gets the continuation and code prompts only."""
     chat = has_chat_template(tokenizer)
 
-    out: list[list[int]] = []
+    out: list[TrainText] = []
     if fortunes > 0:
         if fortunes_dir is None:
             raise ValueError("extra_fortunes needs workloads.fortunes.dir (the fortunes folder)")
@@ -141,13 +145,32 @@ def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer,
         rng = np.random.default_rng(seed)
         for j, i in enumerate(sorted(rng.permutation(len(pool))[:fortunes].tolist())):
             text = pool[i].text
-            out.append(tokenizer(render_raw(tokenizer, text), add_special_tokens=False).input_ids)
+            out.append(TrainText("fortunes/extra", text, render_raw(tokenizer, text)))
             if chat:
-                out.append(chat_ids(tokenizer, FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)))
+                request = FORTUNE_QUESTIONS[j % len(FORTUNE_QUESTIONS)].format(text=text)
+                out.append(TrainText("fortunes/chat", request, render_chat(tokenizer, request)))
     for j, (name, doc, text) in enumerate(stdlib_functions(max_functions=functions, seed=seed)):
-        out.append(tokenizer(render_raw(tokenizer, text), add_special_tokens=False).input_ids)
+        out.append(TrainText("stdlib/function", text, render_raw(tokenizer, text)))
         if chat:
-            out.append(chat_ids(tokenizer, FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)))
+            request = FUNCTION_QUESTIONS[j % len(FUNCTION_QUESTIONS)].format(text=text, name=name, doc=doc)
+            out.append(TrainText("stdlib/chat", request, render_chat(tokenizer, request)))
+    return out
+
+
+@torch.inference_mode()
+def self_instructions(lm, tokenizer, *, n: int, max_tokens: int, batch: int, seed: int) -> list[str]:
+    """`n` requests the target writes itself (Magpie): the chat template up to the user's words, then
+    the target's own sampled (T=1) user turn, up to its end-of-turn token or `max_tokens`. Requests
+    too short to be one are dropped, so fewer than `n` may come back; duplicates are left to
+    `corpus.decontaminate`."""
+    prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False).input_ids
+    turns = generate_batched(lm, [prefix] * n, max_new_tokens=max_tokens, batch=batch, top_k=1,
+                             eos_token_id=tokenizer.eos_token_id, temperature=1.0, seed=seed, annotate=False)
+    out = []
+    for s in turns:
+        request = clean_request(tokenizer.decode(s.tokens[len(prefix):].tolist(), skip_special_tokens=False))
+        if request is not None:
+            out.append(request)
     return out
 
 
@@ -244,16 +267,18 @@ def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.inference_mode()
 def generate_batched(
     lm, prompts: list[list[int]], *, max_new_tokens: int, batch: int, top_k: int, eos_token_id: int | None,
-    temperature: float = 0.0, seed: int = 0,
+    temperature: float = 0.0, seed: int = 0, annotate: bool = True,
 ) -> list[Sequence]:
     """The target's continuation of each prompt (greedy, or sampled at `temperature`), with its
-    features and top-K next-token distribution at every position, from the generation passes.
+    features and top-K next-token distribution at every position, from the generation passes
+    (tokens only with `annotate=False`).
 
     Prompts, shortest first, decode `batch` at a time with a batch dimension (`lm.forward_batch`,
     the Llama backend): left-padded to a common length, each row attending to its own rows only.
     The last emitted token (EOS or the token at `max_new_tokens`) is never fed back: the sequence
     ends before it, and its distribution is the target's at the last position."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)  # sampling draws on the CPU: the same data on every device
+    # sampling draws on the CPU from one generator per prompt: the same data on every device and batch size
+    gens = [torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + i) for i in range(len(prompts))] if temperature > 0 else []
     dev = lm.device
     order = np.argsort([len(p) for p in prompts], kind="stable")
     out: list[Sequence | None] = [None] * len(prompts)
@@ -271,7 +296,10 @@ def generate_batched(
             valid[r, : P - n] = False
         cache = lm.new_batch_cache(B, P + max_new_tokens)
         fwd = lm.forward_batch(tokens, positions, cache, valid)
-        feats, tops = [store_features(fwd.features)], [_top(fwd.logits, top_k)]  # [B, P, ...]
+        feats, tops = [], []
+        if annotate:
+            feats.append(store_features(fwd.features))  # [B, P, F]
+            tops.append(_top(fwd.logits, top_k))  # [B, P, K]
         fed = torch.zeros(B, dtype=torch.long, device=dev)  # continuation tokens fed back per row
         alive = torch.ones(B, dtype=torch.bool, device=dev)
         last = positions[:, -1]
@@ -279,7 +307,7 @@ def generate_batched(
             logits = fwd.logits[:, -1]  # [B, vocab]
             if temperature > 0:
                 probs = torch.softmax(logits.float() / temperature, -1).cpu()  # [B, vocab]
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0].to(dev)
+                nxt = torch.cat([torch.multinomial(probs[r], 1, generator=gens[i]) for r, i in enumerate(idx)]).to(dev)
             else:
                 nxt = logits.argmax(-1)
             if eos_token_id is not None:
@@ -290,9 +318,15 @@ def generate_batched(
             last = last + 1
             fwd = lm.forward_batch(nxt[:, None], last[:, None], cache, valid)
             tokens = torch.cat([tokens, nxt[:, None]], 1)  # [B, P + steps]
-            feats.append(store_features(fwd.features))
-            tops.append(_top(fwd.logits, top_k))
+            if annotate:
+                feats.append(store_features(fwd.features))
+                tops.append(_top(fwd.logits, top_k))
         tokens, fed = tokens.cpu(), fed.cpu()
+        if not annotate:
+            for r, i in enumerate(idx):
+                out[i] = Sequence(tokens=tokens[r, P - len(prompts[i]) : P + int(fed[r])].to(torch.int32))
+            bar.update(B)
+            continue
         feats_all = join_features(feats, 1)  # [B, P + steps, F]
         ids_all, p_all = torch.cat([t[0] for t in tops], 1), torch.cat([t[1] for t in tops], 1)
         for r, i in enumerate(idx):

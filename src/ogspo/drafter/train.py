@@ -3,7 +3,8 @@
 
 Deterministic given the seed (data order, initialisation, sampling of batches). Checkpoints every
 `checkpoint_every` steps into `work_dir`, and an interrupted run resumes from the last one; the
-annotated data is cached there as well.
+annotated data is cached by content hash in the user's cache (`data_cache_dir`), so a rerun on the
+same machine does not regenerate it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,14 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generate_annotated, generate_batched,
+from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
+from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generate_annotated, generate_batched, self_instructions,
                    stdlib_sequences, train_prompts)
 from .head import EagleHead, HeadConfig
 from .runtime import META, WEIGHTS
 
 from ogspo.artifacts.io import atomic_write
+from ogspo.artifacts.prompts import render_chat
 from ogspo.artifacts.settings import settings
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 
@@ -54,40 +57,114 @@ def _atomic_torch_save(obj, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
-def build_data(*, model, tokenizer, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict, head_cfg: HeadConfig,
-               seed: int, work_dir: Path) -> list[Sequence]:
-    gen_key = {k: cfg[k] for k in ("max_new_tokens", "chat_variants", "prompts_per_workload", "top_k", "extra_fortunes",
-                                   "extra_functions", "sampled")} | {
-        "version": 5, "layers": head_cfg.feature_layers, "workloads": sorted(p.name for p in Path(workloads_dir).glob("*.parquet"))}
-    key = _hash(gen_key | {k: cfg[k] for k in ("stdlib_tokens", "seq_len")} | {"seed": seed})
-    cache = work_dir / f"data-{key}.pt"
-    if cache.is_file():
-        return torch.load(cache, weights_only=False)
-    prompts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
-                            max_per_workload=cfg["prompts_per_workload"] or None)
-    prompts += corpus_prompts(workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, tokenizer=tokenizer,
-                              fortunes=cfg["extra_fortunes"], functions=cfg["extra_functions"], seed=seed)
-    gen_cache = work_dir / f"generated-{_hash(gen_key)}.pt"  # the expensive part, kept on its own
-    if gen_cache.is_file():
-        data = torch.load(gen_cache, weights_only=False)
-    else:
+def data_cache_dir(cfg: dict) -> Path:
+    """Where the generated training data is kept between runs: `drafter.cache_dir`, else
+    $OGSPO_CACHE_DIR, else the user's cache ($XDG_CACHE_HOME or ~/.cache)/ogspo; a file there is
+    named by the hash of everything it was built from (target checksum, recipe, prompt ids)."""
+    root = cfg.get("cache_dir") or os.environ.get("OGSPO_CACHE_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ogspo"
+    return Path(root) / "drafter-data"
+
+
+@dataclass
+class DataStats:
+    """How the training data was built: prompts by source, what decontamination dropped, and the
+    generation rate of this device (tokens the target processed per second; 0 on a cache hit)."""
+    prompts: dict[str, int]
+    near_held_out: int  # prompts dropped as near-duplicates of an eval or calib prompt
+    repeats: int  # prompts dropped as near-duplicates of an earlier training prompt
+    self_instructions: int  # requests the target wrote itself (before decontamination)
+    generated_tokens: int  # continuation tokens the target wrote
+    tokens: int  # all training tokens (prompts, continuations, annotated source)
+    generation_seconds: float
+    tokens_per_second: float
+    cached: bool
+
+
+def _cached(path: Path, build):
+    """`torch.load(path)` if it exists, else `build()` saved there atomically (so an interrupted run
+    leaves nothing half-written)."""
+    if path.is_file():
+        return torch.load(path, weights_only=False), True
+    value = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(value, path)
+    return value, False
+
+
+def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict,
+               head_cfg: HeadConfig, seed: int) -> tuple[list[Sequence], DataStats]:
+    """The head's training sequences, annotated with the target's features and next-token
+    distributions: the target's greedy (and `sampled` T=1) continuations of every training prompt
+    (workload train splits, corpora, its own requests), then standard-library source annotated
+    as text. Every prompt near an eval or calib prompt of any workload is dropped first. Built
+    once per content hash in `data_cache_dir(cfg)`."""
+    cache = data_cache_dir(cfg)
+    lm = None
+
+    def target_lm(rows: int):
+        nonlocal lm
+        if lm is None or lm.cache.max_len < rows:
+            lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
+        if not isinstance(lm, LlamaTreeLM) and (cfg["sampled"] or cfg["self_instruct"]):
+            raise ValueError(f"drafter.sampled and drafter.self_instruct need a target with a batched forward (Llama-like), "
+                             f"not '{model.config.model_type}': set both to 0")
+        return lm
+
+    t0 = time.perf_counter()
+    texts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
+                          max_per_workload=cfg["prompts_per_workload"] or None)
+    texts += corpus_prompts(workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, tokenizer=tokenizer,
+                            fortunes=cfg["extra_fortunes"], functions=cfg["extra_functions"], seed=seed)
+    requests: list[str] = []
+    if cfg["self_instruct"]:
+        key = _hash({"v": 1, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"], "seed": seed})
+        requests, _ = _cached(cache / f"requests-{key}.pt", lambda: self_instructions(
+            target_lm(512), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"], batch=cfg["gen_batch"],
+            seed=seed + 1000))
+        texts += [TrainText("self-instruct", r, render_chat(tokenizer, r)) for r in requests]
+    held_out = held_out_texts(workloads_dir)
+    texts, near_held, repeats = decontaminate(texts, held_out)
+    prompts = [tokenizer(t.prompt, add_special_tokens=False).input_ids for t in texts]
+
+    recipe = {k: cfg[k] for k in ("max_new_tokens", "top_k", "sampled")} | {"v": 6, "target": target_checksum,
+                                                                            "layers": head_cfg.feature_layers}
+    gen_key = _hash(recipe | {"prompts": _hash(prompts)})
+
+    def generate():
         rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
-        lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
+        lm = target_lm(rows)
         kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
-        if isinstance(lm, LlamaTreeLM):  # the batched forward
-            data = generate_batched(lm, prompts, batch=cfg["gen_batch"], **kw)
-            for k in range(cfg["sampled"]):
-                data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
-        elif cfg["sampled"]:
-            raise ValueError(f"drafter.sampled needs a target with a batched forward (Llama-like), not '{model.config.model_type}'")
-        else:
-            data = generate_annotated(lm, prompts, pack=cfg["gen_batch"], **kw)
-        del lm
-        _atomic_torch_save(data, gen_cache)
-    code = stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed)
-    data += annotate(model, code, feature_layers=head_cfg.feature_layers, top_k=cfg["top_k"], batch_tokens=cfg["annotate_batch_tokens"])
-    _atomic_torch_save(data, cache)
-    return data
+        if not isinstance(lm, LlamaTreeLM):
+            return generate_annotated(lm, prompts, pack=cfg["gen_batch"], **kw)
+        data = generate_batched(lm, prompts, batch=cfg["gen_batch"], **kw)
+        for k in range(cfg["sampled"]):
+            data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
+        return data
+
+    data, gen_cached = _cached(cache / f"generated-{gen_key}.pt", generate)
+    code_key = _hash({"gen": gen_key, "stdlib": cfg["stdlib_tokens"], "seq_len": cfg["seq_len"], "seed": seed,
+                      "annotate": cfg["annotate_batch_tokens"]})
+
+    def annotate_code():
+        code = stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
+                                held_out=NearDuplicateIndex(held_out))
+        return annotate(model, code, feature_layers=head_cfg.feature_layers, top_k=cfg["top_k"],
+                        batch_tokens=cfg["annotate_batch_tokens"])
+
+    code, code_cached = _cached(cache / f"stdlib-{code_key}.pt", annotate_code)
+    seconds = time.perf_counter() - t0
+    seqs = data + code
+    n_tokens = int(sum(len(s.tokens) for s in seqs))
+    by_source: dict[str, int] = {}
+    for t in texts:
+        by_source[t.source] = by_source.get(t.source, 0) + 1
+    generated = int(sum(len(s.tokens) - len(prompts[i % len(prompts)]) for i, s in enumerate(data)))
+    built = (0 if gen_cached else sum(len(s.tokens) for s in data)) + (0 if code_cached else sum(len(s.tokens) for s in code))
+    stats = DataStats(prompts=by_source, near_held_out=near_held, repeats=repeats, self_instructions=len(requests),
+                      generated_tokens=generated, tokens=n_tokens, generation_seconds=seconds,
+                      tokens_per_second=built / seconds if built else 0.0, cached=not built)
+    return seqs, stats
 
 
 def chunk_index(seqs: list[Sequence], seq_len: int) -> np.ndarray:
@@ -253,35 +330,43 @@ def train_drafter(
     config: dict | None = None,
     seed: int = 0,
 ) -> TrainResult:
-
+    """Build (or read from the cache) the training data, then train the head into `out_dir`."""
     cfg = settings("drafter", config)
     cfg.pop("gto")  # stage train_gto's settings
+    head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
+    t0 = time.perf_counter()
+    seqs, stats = build_data(model=model, tokenizer=tokenizer, target_checksum=target_checksum, workloads_dir=workloads_dir,
+                             fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed)
+    return train_head(model=model, tokenizer=tokenizer, target_checksum=target_checksum, seqs=seqs, cfg=cfg, seed=seed,
+                      out_dir=out_dir, work_dir=work_dir, data_seconds=time.perf_counter() - t0, data_stats=asdict(stats))
+
+
+def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], cfg: dict, seed: int, out_dir: Path,
+               work_dir: Path, data_seconds: float = 0.0, data_stats: dict | None = None) -> TrainResult:
+    """Train a head on `seqs` for `cfg["epochs"]` passes (cfg: the full `drafter` settings without `gto`)
+    and write its folder to `out_dir`; checkpoints go to `work_dir`."""
+    cfg = dict(cfg)
     torch.manual_seed(seed)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
-
-    t0 = time.perf_counter()
-    seqs = build_data(model=model, tokenizer=tokenizer, workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, work_dir=work_dir)
-    data_s = time.perf_counter() - t0
-
     d2t = draft_vocabulary(seqs, size=head_cfg.draft_vocab, vocab=head_cfg.vocab, always=[tokenizer.eos_token_id])
     t2d = target_to_draft(d2t, head_cfg.vocab)
     head = EagleHead(head_cfg, embed=model.get_input_embeddings().weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t)
     head.init_from_target(model)
-    del model
 
     rng = np.random.default_rng(seed)
     val, train = split_windows(seqs, cfg, rng)
     windows = chunk_index(seqs, cfg["seq_len"])
     batch_tokens = cfg["batch_size"] * cfg["seq_len"]
     batches = token_batches(window_lengths(seqs, train, cfg["seq_len"]), batch_tokens)
+    cfg["steps"] = max(1, math.ceil(cfg["epochs"] * len(batches)))  # epochs set the steps: the data sets the work
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / cfg["warmup"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"])))
     )
-    run_key = _hash(cfg | {"seed": seed, "n_windows": len(windows)})
+    run_key = _hash(cfg | {"seed": seed, "n_windows": len(windows), "tokens": sum(len(s.tokens) for s in seqs)})
     ckpt = work_dir / "checkpoint.pt"
     start, history = 0, []
     if ckpt.is_file():
@@ -306,11 +391,12 @@ def train_drafter(
         "head": head_cfg.to_dict(),
         "train": cfg | {"seed": seed},
         "metrics": {"val_loss_step1": float(vl[0] / nb), "val_top1": (va / nb).tolist(), "train_tokens": n_tokens,
-                    "data_seconds": data_s, "train_seconds": train_s, "steps": cfg["steps"], "history": history},
+                    "data": data_stats, "data_seconds": data_seconds, "train_seconds": train_s, "steps": cfg["steps"],
+                    "history": history},
     }
     out_dir = Path(out_dir)
     write_head(head, meta, out_dir)
     if ckpt.is_file():
         ckpt.unlink()
-    return TrainResult(path=out_dir, steps=cfg["steps"], train_tokens=n_tokens, data_seconds=data_s, train_seconds=train_s,
+    return TrainResult(path=out_dir, steps=cfg["steps"], train_tokens=n_tokens, data_seconds=data_seconds, train_seconds=train_s,
                        val_top1=(va / nb).tolist(), val_loss=float(vl[0] / nb), history=history)

@@ -286,14 +286,14 @@ def fine_tune_gto(head: EagleHead, *, model, seqs: list[Sequence], train: np.nda
 def train_gto(*, model, tokenizer, base_dir: Path, target_checksum: str, workloads_dir: Path, out_dir: Path, work_dir: Path,
               fortunes_dir: Path | None = None, config: dict | None = None, seed: int = 0) -> GTOResult:
     """GTO fine-tuning of the head in `base_dir` (from `train_drafter` with the same `drafter` settings)
-    into the drafter folder `out_dir`. The training data comes from `train_drafter`'s cache in
-    `work_dir` (rebuilt there if it is gone); its held-out windows give the reward figures."""
+    into the drafter folder `out_dir`. The training data comes from `train_drafter`'s data cache
+    (`train.data_cache_dir`; rebuilt there if it is gone); its held-out windows give the reward figures."""
     cfg = settings("drafter", config)
     gcfg = settings("drafter.gto", cfg.pop("gto", None))
     torch.manual_seed(seed)
     head, meta = load_head(base_dir, target_model=model, target_checksum=target_checksum)
-    seqs = build_data(model=model, tokenizer=tokenizer, workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, cfg=cfg,
-                      head_cfg=head.cfg, seed=seed, work_dir=Path(work_dir))
+    seqs, _ = build_data(model=model, tokenizer=tokenizer, target_checksum=target_checksum, workloads_dir=workloads_dir,
+                         fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head.cfg, seed=seed)
     val, train = split_windows(seqs, cfg, np.random.default_rng(seed))
     t2d = target_to_draft(head.d2t, head.cfg.vocab)
     result = fine_tune_gto(head, model=model, seqs=seqs, train=train, val=val, t2d=t2d, cfg=gcfg, train_cfg=cfg, seed=seed)

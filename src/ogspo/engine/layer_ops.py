@@ -129,6 +129,14 @@ class NativeLayerOps:
 
     def add_rmsnorm(self, x, r, w):
         """In place on x [1, m, dim] (contiguous): x += r; returns (x, rmsnorm(x) * w)."""
+        _check_fp32(x, "x")
+        if not x.is_contiguous():
+            raise ValueError("native add_rmsnorm works in place on a contiguous x")
+        if w.shape != x.shape[-1:] or (r is not None and r.shape != x.shape):
+            raise ValueError(f"native add_rmsnorm: x {tuple(x.shape)}, residual {None if r is None else tuple(r.shape)} and "
+                             f"weight {tuple(w.shape)} do not match")
+        if not w.is_contiguous():
+            w = w.contiguous()
         if r is not None and not r.is_contiguous():
             r = r.contiguous()
         h = torch.empty_like(x)
@@ -142,25 +150,50 @@ class NativeLayerOps:
             raise ValueError("native layer ops run single-sequence forwards only")
         if qk_norm is not None or (sliding and step.window_mask is not None):
             raise ValueError("native layer ops do neither QK-norm nor sliding windows: run the torch ops")
+        H, KV, hd = self.H, self.KV, self.hd
+        _check_fp32(qkv, "qkv")
+        if width != (H + 2 * KV) * hd:
+            raise ValueError(f"native attention: qkv rows of {width}, not (H + 2 KV) * hd = {(H + 2 * KV) * hd}")
+        for name, t in (("keys", keys), ("values", values)):
+            _check_fp32(t, name)
+            if not t.is_contiguous() or t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != KV or t.shape[3] != hd:
+                raise ValueError(f"native attention: {name} must be a contiguous [1, {KV}, rows, {hd}] cache, got {tuple(t.shape)}")
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
-        H, KV, hd = self.H, self.KV, self.hd
         positions, attend = step.row_inputs  # computed once per forward
+        if positions.dtype != torch.int64 or positions.numel() != m:
+            raise ValueError(f"native attention: positions must be {m} int64 values, got {positions.numel()} {positions.dtype}")
+        if attend is not None and tuple(attend.shape) != (m, step.start - step.committed + m):
+            raise ValueError(f"native attention: attend must be [m, pending rows] = [{m}, {step.start - step.committed + m}], "
+                             f"got {tuple(attend.shape)}")
+        if not (step.cos_table.is_contiguous() and step.sin_table.is_contiguous() and step.cos_table.shape == step.sin_table.shape
+                and step.cos_table.shape[-1] == hd):
+            raise ValueError(f"native attention: the rotary tables must be contiguous [rows, {hd}] pairs")
         out = torch.empty(1, m, H * hd, dtype=torch.float32, device="cpu")
-        self._lib.ogspo_rope_attention(
+        status = self._lib.ogspo_rope_attention(
             qkv.data_ptr(), None if bias is None else bias.data_ptr(), positions.data_ptr(), step.cos_table.data_ptr(),
-            step.sin_table.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], step.start, step.committed,
-            None if attend is None else attend.data_ptr(), m, H, KV, hd, out.data_ptr(), self.threads,
+            step.sin_table.data_ptr(), step.cos_table.shape[0], keys.data_ptr(), values.data_ptr(), keys.shape[2], step.start,
+            step.committed, None if attend is None else attend.data_ptr(), m, H, KV, hd, out.data_ptr(), self.threads,
         )
+        if status:
+            raise (MemoryError if status == 4 else ValueError)(native.ROPE_ATTENTION_ERRORS[status])
         return out
 
     def silu_mul(self, gu):
+        _check_fp32(gu, "gate/up")
+        if gu.shape[-1] % 2:
+            raise ValueError(f"native silu_mul takes fused gate/up rows of even width, got {gu.shape[-1]}")
         if not gu.is_contiguous():
             gu = gu.contiguous()
         inter = gu.shape[-1] // 2
         a = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32, device="cpu")
         self._lib.ogspo_silu_mul(gu.data_ptr(), a.data_ptr(), gu.numel() // gu.shape[-1], inter)
         return a
+
+
+def _check_fp32(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"native layer ops take fp32 CPU tensors: {name} is {t.dtype} on {t.device}")
 
 
 def make_layer_ops(name: str, *, n_heads: int, kv_heads: int, head_dim: int, eps: float):

@@ -110,12 +110,34 @@ def load_config(
     error = _first_error(validator.iter_errors(cfg))
     if error is not None:
         raise ConfigError(_format_error(error))
+    _check_consistency(cfg)
     if check_paths and "model" in cfg:
         _check_model_source(cfg["model"])
     if check_paths:
         _check_fortunes(cfg)
         _check_jsonl(cfg)
     return cfg
+
+
+def _check_consistency(cfg: Mapping) -> None:
+    """What the schema cannot say: the records template has one width per level, and the light
+    methods are evaluated methods."""
+    tpl = (cfg.get("records") or {}).get("template")
+    if isinstance(tpl, Mapping) and len(tpl["widths"]) != tpl["depth"]:
+        raise ConfigError(f"config error at 'records.template.widths': {len(tpl['widths'])} entries for depth {tpl['depth']}; "
+                          "give one width per level")
+    ev = cfg.get("evaluate")
+    if isinstance(ev, Mapping):
+        light = [m for m in ev["light_methods"] if m not in ev["methods"]]
+        if light:
+            raise ConfigError(f"config error at 'evaluate.light_methods': '{light[0]}' is not in evaluate.methods {ev['methods']}")
+
+
+def check_temperature(temperature: float, cfg: Mapping) -> None:
+    """A stage run at one temperature runs at one of records.temperatures (its records, oracle, policy)."""
+    allowed = cfg["records"]["temperatures"]
+    if temperature not in [float(t) for t in allowed]:
+        raise ValueError(f"temperature {temperature:g} is not among records.temperatures {allowed}")
 
 
 def _check_jsonl(cfg: Mapping) -> None:

@@ -1,4 +1,4 @@
-"""Stages `tune_eagle` and `evaluate`: every decoding method side by side on held-out prompts.
+"""Stage `evaluate`: every decoding method side by side on held-out prompts.
 
 `evaluate_methods` runs, per temperature, workload, eval prompt and repeat, every configured method
 in mirrored seeded orders per pair of request slots (`slot_order`: machine drift and position effects
@@ -11,10 +11,8 @@ cycles that ran. At T=0 every method's tokens must equal the autoregressive outp
 raises `LosslessError` naming method, workload and prompt; a float near-tie (`compare_greedy`) is
 reported, not failed.
 
-`tune_eagle` is the fair EAGLE-3 baseline: a grid of (total_tokens, depth, top_k) decoded for real
-on calib prompts, per workload, at one temperature; the winner (geometric-mean throughput) is the
-`eagle-tuned` method of `evaluate`. Sequoia's static tree runs beside the grid there, so the best
-baseline of each cell (ar, eagle-tuned or sequoia) is picked on calib prompts too.
+The `eagle-tuned` method and the best baseline of each cell come from stage `tune_eagle`
+(`stages.tune`), on calib prompts.
 """
 
 from __future__ import annotations
@@ -42,16 +40,11 @@ from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, Sta
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.ogspo import OgspoTree
 from ogspo.methods.registry import AA_CHECK, EVAL_METHODS, REFERENCE, TUNED, make_policy
-from ogspo.stages.compare import best_of_intervals, intervals_json, ratio_intervals
+from ogspo.stages.summary import summarize_requests, temperature_tag
 
 
 class LosslessError(ValueError):
     """A method's T=0 output differs from autoregressive decoding (not a float near-tie)."""
-
-
-def temperature_tag(temperature: float) -> str:
-    """0 -> T0, 1.0 -> T1, 0.7 -> T0.7 (as the records, solve and policy folders are named)."""
-    return f"T{float(temperature):g}"
 
 
 @dataclass(frozen=True)
@@ -372,6 +365,30 @@ def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
     return pl.DataFrame(data, schema_overrides=schema)
 
 
+def _cell_engines(methods: list[MethodSpec], *, temp: float, workload: str, artifacts: Mapping[str, str], policy_device: str,
+                  target, drafter, providers: dict, tuned: dict) -> list[MethodEngine]:
+    """One engine per method for one (temperature, workload) cell; records which onnxruntime provider
+    each OGSPO head runs on (`providers`) and the tuned EAGLE-3 tree of the cell (`tuned`)."""
+    engines = []
+    for spec in methods:
+        pol = build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
+        if isinstance(pol, OgspoTree):  # which onnxruntime provider its head runs on, and why
+            providers[f"{spec.name}/{temperature_tag(temp)}/{workload}"] = {"provider": pol.hook.providers[0],
+                                                                            "seconds_per_call": pol.hook.provider_seconds}
+        if spec.kind == TUNED:
+            tuned[workload] = [pol.total_tokens, pol.max_depth, pol.top_k] if isinstance(pol, DynamicTree) else [0, 0, 0]
+        engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp))
+    return engines
+
+
+def request_figures(res: GenerationResult) -> dict:
+    """The RequestRow fields one generation fills (before the lossless check)."""
+    return dict(new_tokens=len(res.tokens), cycles=len(res.cycles), tau=res.tau,
+                mean_tree_size=float(np.mean([c.tree_size for c in res.cycles])) if res.cycles else 0.0,
+                wall_seconds=res.wall_seconds, throughput=res.throughput, lossless="n/a", first_mismatch=-1,
+                tie_margin=float("nan"), tokens=list(res.tokens))
+
+
 def evaluate_methods(
     *,
     target,
@@ -400,7 +417,9 @@ def evaluate_methods(
     prefilled once untimed, so the slot's first method does not pay for the new prompt's shapes.
     `reference_model` (an HF causal LM, default `target.hf_model`) tells near-ties from real
     mismatches at T=0; a real mismatch raises `LosslessError` at once. The calib-picked best baseline
-    per cell is read from the `eagle-tuned` artifact (`tune_eagle`)."""
+    per cell is read from the `eagle-tuned` artifact (`tune_eagle`). One loop on purpose (~85 lines):
+    a slot's order, untimed prefill, timed requests, lossless check and rows stay together, so every
+    method of a slot runs under the same conditions."""
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats} and {max_new_tokens}")
     if REFERENCE not in {m.kind for m in methods}:
@@ -413,7 +432,7 @@ def evaluate_methods(
     rows: list[RequestRow] = []
     near: list[NearTie] = []
     checked = 0
-    tuned: dict[str, dict[str, list[int]]] = {}
+    tuned: dict[str, dict[str, list[int]]] = {}  # tag -> workload -> the tuned tree
     calib_best: dict[str, dict[str, str]] = {}
     stability: dict[str, dict[str, float]] = {}
     ref_name = next(m.name for m in methods if m.kind == REFERENCE)
@@ -424,16 +443,8 @@ def evaluate_methods(
         if TUNED in {m.kind for m in methods} and TUNED in artifacts:
             calib_best[tag], stability[tag] = read_calib_best(Path(artifacts[TUNED].format(T=tag)))
         for workload, plist in prompts.items():
-            engines = []
-            for spec in methods:
-                pol = build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
-                if isinstance(pol, OgspoTree):  # which onnxruntime provider its head runs on, and why
-                    providers[f"{spec.name}/{tag}/{workload}"] = {"provider": pol.hook.providers[0],
-                                                                  "seconds_per_call": pol.hook.provider_seconds}
-                if spec.kind == TUNED:
-                    tuned.setdefault(tag, {})[workload] = (
-                        [pol.total_tokens, pol.max_depth, pol.top_k] if isinstance(pol, DynamicTree) else [0, 0, 0])
-                engines.append(make_method_engine(spec, pol, target=target, drafter=drafter, temperature=temp))
+            engines = _cell_engines(methods, temp=temp, workload=workload, artifacts=artifacts, policy_device=policy_device,
+                                    target=target, drafter=drafter, providers=providers, tuned=tuned.setdefault(tag, {}))
             ref_engine = next(me for me in engines if me.spec.kind == REFERENCE)
             for repeat in range(repeats):
                 for index, (prompt_id, prompt) in enumerate(plist):
@@ -449,12 +460,7 @@ def evaluate_methods(
                             raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, not {max_new_tokens}")
                         out[me.spec.name] = RequestRow(
                             workload=workload, temperature=float(temp), method=me.spec.name, prompt_id=str(prompt_id),
-                            repeat=repeat, order=pos, seed=rseed, prompt_tokens=len(prompt), new_tokens=len(res.tokens),
-                            cycles=len(res.cycles), tau=res.tau,
-                            mean_tree_size=float(np.mean([c.tree_size for c in res.cycles])) if res.cycles else 0.0,
-                            wall_seconds=res.wall_seconds, throughput=res.throughput, **fig,
-                            lossless="n/a", first_mismatch=-1, tie_margin=float("nan"), tokens=list(res.tokens),
-                        )
+                            repeat=repeat, order=pos, seed=rseed, prompt_tokens=len(prompt), **request_figures(res), **fig)
                     if float(temp) == 0.0:
                         checked += _check_lossless(out, ref_name, prompt, workload=workload, prompt_id=str(prompt_id),
                                                    repeat=repeat, ref_model=ref_model, tie_margin=tie_margin, near=near)
@@ -466,7 +472,7 @@ def evaluate_methods(
     oracle = {k: float(v) for k, v in (oracle or {}).items()}
     return EvaluateResult(
         rows=rows, summary=summarize_requests(frame, oracle=oracle, calib_best=calib_best), checked=checked,
-        near_ties=near, oracle=oracle, tuned=tuned, calib_best=calib_best, seconds=time.perf_counter() - t_start,
+        near_ties=near, oracle=oracle, tuned={k: v for k, v in tuned.items() if v}, calib_best=calib_best, seconds=time.perf_counter() - t_start,
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,
@@ -504,248 +510,6 @@ def _check_lossless(out: dict[str, RequestRow], ref_name: str, prompt: list[int]
             )
     out[ref_name].lossless = "n/a"
     return n
-
-
-# ---------------------------------------------------------------- aggregates
-
-
-def _q(x: np.ndarray, q: float) -> float:
-    return float(np.quantile(x, q)) if len(x) else float("nan")
-
-
-def _paired_ratio(df: pl.DataFrame, method: str, baseline: str) -> np.ndarray:
-    keys = ["workload", "temperature", "prompt_id", "repeat"]
-    a = df.filter(pl.col("method") == method).select(keys + ["throughput"])
-    b = df.filter(pl.col("method") == baseline).select(keys + [pl.col("throughput").alias("base")])
-    j = a.join(b, on=keys, how="inner").filter(pl.col("base") > 0)
-    return (j["throughput"] / j["base"]).to_numpy()
-
-
-SEQUOIA = "sequoia"
-BASELINES = (REFERENCE, TUNED, SEQUOIA)  # the best of these per cell is what a user would otherwise run
-
-
-def calib_best_table(calib_best: Mapping[str, Mapping[str, str]] | None, df: pl.DataFrame) -> pl.DataFrame:
-    """The calib-picked best baseline per cell (tag -> workload -> method) as a `ratio_intervals`
-    baseline table, for the cells of `df` whose pick ran there; empty when none was given."""
-    present = set(df["method"].to_list()) if df.height else set()
-    rows = [{"workload": w, "temperature": float(t), "baseline": b}
-            for t in (sorted({float(x) for x in df["temperature"].to_list()}) if df.height else [])
-            for w, b in (calib_best or {}).get(temperature_tag(t), {}).items() if b in present]
-    return pl.DataFrame(rows, schema={"workload": pl.String, "temperature": pl.Float64, "baseline": pl.String})
-
-
-def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None = None,
-                       calib_best: Mapping[str, Mapping[str, str]] | None = None,
-                       reference: str = REFERENCE, baseline: str = TUNED) -> list[dict]:
-    """One row per method x workload x temperature: medians and spreads (IQR and min/max) of
-    throughput, tau, paired speedup over `reference` and ratio to `baseline` (medians of per-request
-    ratios), the geometric means of the paired ratios to `reference`, to `baseline` and to the cell's
-    best baseline (`stages.compare`: picked on the calib prompts, `vs_best`, and picked on these
-    requests with a re-pick in every resample, `vs_best_eval`) with 95% bootstrap intervals, time to
-    first token and request latency percentiles, surrogate-predicted throughput, oracle bound and time
-    split (shares of wall time)."""
-    oracle = oracle or {}
-    out = []
-    if df.height == 0:
-        return out
-    methods = list(dict.fromkeys(df["method"].to_list()))
-    best = calib_best_table(calib_best, df)
-    best_of = {(w, float(t)): b for w, t, b in best.iter_rows()}
-    present = set(methods)
-    gm = {m: {"vs_ar": ratio_intervals(df, m, reference)["cells"] if reference in present else {},
-              "vs_tuned": ratio_intervals(df, m, baseline)["cells"] if baseline in present else {},
-              "vs_best": ratio_intervals(df, m, best)["cells"] if best.height else {}} for m in methods}
-    eval_best = {m: best_of_intervals(df, m, BASELINES) for m in methods if m not in BASELINES}
-    for (workload, temp), g in df.group_by(["workload", "temperature"], maintain_order=True):
-        cell = (workload, float(temp))
-        for m in methods:
-            r = g.filter(pl.col("method") == m)
-            if r.height == 0:
-                continue
-            tps = r["throughput"].to_numpy()
-            wall = float(r["wall_seconds"].sum())
-            split = {k: float(r[f"{k}_seconds"].sum()) / wall if wall > 0 else float("nan")
-                     for k in ("prefill", "draft", "policy", "verify", "other")}
-            cycles = int(r["cycles"].sum())
-            tau = float((r["tau"] * r["cycles"]).sum() / cycles) if cycles else 1.0
-            speed = _paired_ratio(g, m, reference) if reference in g["method"] else np.array([])
-            vs_tuned = _paired_ratio(g, m, baseline) if baseline in g["method"] else np.array([])
-            pred = r["predicted_throughput"].to_numpy()
-            pred = pred[np.isfinite(pred)]
-            ratio = (r["predicted_throughput"] / r["throughput"]).to_numpy()
-            ratio = ratio[np.isfinite(ratio)]
-            lat = r["wall_seconds"].to_numpy()
-            # cycles only (prefill out), sum of tokens / sum of seconds as J is: realised and in the latency model's units
-            after_first = float((r["new_tokens"] - 1).sum())
-            cyc_s = float((r["wall_seconds"] - r["prefill_seconds"]).sum())
-            cyc_pred = float((r["predicted_seconds"] - r["prefill_seconds"]).sum())
-            ivs = {k: gm[m][k].get(cell) for k in ("vs_ar", "vs_tuned", "vs_best")}
-            out.append({
-                "method": m, "workload": workload, "temperature": float(temp), "n_requests": r.height,
-                "throughput": float(np.median(tps)), "throughput_q25": _q(tps, 0.25), "throughput_q75": _q(tps, 0.75),
-                "throughput_min": float(tps.min()), "throughput_max": float(tps.max()),
-                "tau": tau, "mean_tree_size": float(r["mean_tree_size"].mean()),
-                "speedup": float(np.median(speed)) if len(speed) else None,
-                "speedup_q25": _q(speed, 0.25) if len(speed) else None, "speedup_q75": _q(speed, 0.75) if len(speed) else None,
-                "vs_eagle_tuned": float(np.median(vs_tuned)) if len(vs_tuned) else None,
-                "speedup_gm": ivs["vs_ar"].to_dict() if ivs["vs_ar"] else None,
-                "vs_eagle_tuned_gm": ivs["vs_tuned"].to_dict() if ivs["vs_tuned"] else None,
-                "best_baseline": best_of.get(cell),
-                "vs_best": ivs["vs_best"].to_dict() if ivs["vs_best"] else None,
-                "best_baseline_eval": eval_best[m]["picked"].get(cell) if m in eval_best else None,
-                "vs_best_eval": (eval_best[m]["cells"][cell].to_dict()
-                                 if m in eval_best and cell in eval_best[m]["cells"] else None),
-                "ttft_p50": _q(r["prefill_seconds"].to_numpy(), 0.5),
-                "latency_p50": _q(lat, 0.5), "latency_p90": _q(lat, 0.9),
-                "cycles_throughput": after_first / cyc_s if cyc_s > 0 else None,
-                "predicted_cycles_throughput": after_first / cyc_pred if np.isfinite(cyc_pred) and cyc_pred > 0 else None,
-                "predicted_throughput": float(np.median(pred)) if len(pred) else None,
-                "predicted_over_realised": float(np.median(ratio)) if len(ratio) else None,
-                "oracle_throughput": oracle.get(temperature_tag(temp)),
-                "time_split": split,
-                "identical": int((r["lossless"] == "identical").sum()),
-                "near_ties": int((r["lossless"] == "near-tie").sum()),
-            })
-    return out
-
-
-def pooled_comparisons(df: pl.DataFrame, *, method: str, calib_best: Mapping[str, Mapping[str, str]] | None = None,
-                       seed: int = 0) -> dict:
-    """Pooled (all cells) and per-temperature intervals of `method` against autoregressive decoding,
-    tuned EAGLE-3, Sequoia and the best baseline per cell (picked on the calib prompts: `vs_best`; picked
-    on these requests, re-picked per resample: `vs_best_eval`), and the A/A check (`ar-aa` against `ar`)
-    when it ran."""
-    present = set(df["method"].to_list()) if df.height else set()
-    out: dict = {}
-    if method in present:
-        if REFERENCE in present:
-            out["vs_ar"] = intervals_json(ratio_intervals(df, method, REFERENCE, seed=seed))
-        if TUNED in present:
-            out["vs_eagle_tuned"] = intervals_json(ratio_intervals(df, method, TUNED, seed=seed))
-        if SEQUOIA in present:
-            out["vs_sequoia"] = intervals_json(ratio_intervals(df, method, SEQUOIA, seed=seed))
-        best = calib_best_table(calib_best, df)
-        if best.height:
-            out["vs_best"] = intervals_json(ratio_intervals(df, method, best, seed=seed))
-            out["best_baselines"] = best.to_dicts()
-        if present & set(BASELINES):
-            out["vs_best_eval"] = intervals_json(best_of_intervals(df, method, BASELINES, seed=seed))
-    if AA_CHECK in present and REFERENCE in present:
-        out["aa_check"] = intervals_json(ratio_intervals(df, AA_CHECK, REFERENCE, seed=seed))
-    return out
-
-
-# ---------------------------------------------------------------- tune_eagle
-
-
-@dataclass
-class TunePoint:
-    workload: str
-    total_tokens: int
-    depth: int
-    top_k: int
-    throughput: float  # geometric mean of complete-request tokens/s over the tuning prompts
-    throughput_q25: float
-    throughput_q75: float
-    tau: float
-    n_requests: int
-
-
-@dataclass
-class TuneResult:
-    temperature: float
-    points: list[TunePoint]
-    winners: dict[str, list[int]]  # workload -> [total_tokens, depth, top_k]
-    winner_stability: dict[str, float]  # workload -> share of bootstrap resamples of the prompts with the same winner
-    best_baseline: dict[str, str]  # workload -> ar | eagle-tuned | sequoia: the fastest on these prompts
-    static_throughput: dict[str, float]  # workload -> the static tree's geometric-mean tokens/s (when given)
-    max_new_tokens: int
-    prompts: dict[str, list[str]]
-    seconds: float
-
-
-def _gmean(x) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.exp(np.log(x).mean())) if len(x) and (x > 0).all() else 0.0
-
-
-def tune_eagle(
-    *,
-    target,
-    drafter,
-    prompts: Mapping[str, list[tuple[str, list[int]]]],
-    grid: list[list[int]],
-    temperature: float,
-    max_new_tokens: int,
-    seed: int,
-    static: TreePolicy | None = None,
-    n_boot: int = 1000,
-    progress: Callable[[str], None] | None = None,
-) -> TuneResult:
-    """Grid search of EAGLE-3 dynamic trees by real decoding (interleaved, mirrored orders per pair of
-    prompts, every request `max_new_tokens` long); per workload the tree with the highest geometric-mean
-    throughput wins. A grid entry [0, 0, 0] is "do not speculate" (autoregressive decoding), so the tuned
-    baseline is never slower than AR on the tuning prompts. `static` (Sequoia's tree) runs side by side,
-    so the best baseline of each workload (ar, eagle-tuned or sequoia) is picked here, on calib prompts,
-    not on the eval requests it is compared on. `winner_stability`: how often the winner stays the same
-    when the tuning prompts are resampled with replacement."""
-    if not grid:
-        raise ValueError("evaluate.eagle_grid is empty: give [total_tokens, depth, top_k] triples")
-    for g in grid:
-        if len(g) != 3 or not (min(g) >= 1 or list(g) == [0, 0, 0]):
-            raise ValueError(f"evaluate.eagle_grid entry {g} is not [total_tokens, depth, top_k] with positive values "
-                             "(or [0, 0, 0]: do not speculate)")
-    t_start = time.perf_counter()
-    trees = [tuple(int(x) for x in g) for g in grid]
-
-    def tree_policy(a: int, b: int, c: int) -> TreePolicy:
-        return Autoregressive(name="eagle0-0-0") if a == 0 else DynamicTree(total_tokens=a, depth=b, top_k=c)
-
-    engines = [make_method_engine(MethodSpec(name=f"eagle{a}-{b}-{c}", kind="eagle-default", tree=(a, b, c)),
-                                  tree_policy(a, b, c), target=target, drafter=drafter, temperature=temperature)
-               for a, b, c in trees]
-    if static is not None:
-        engines.append(make_method_engine(MethodSpec(name=SEQUOIA, kind=SEQUOIA), static, target=target, drafter=drafter,
-                                          temperature=temperature))
-    rng = np.random.default_rng(seed)
-    points: list[TunePoint] = []
-    winners: dict[str, list[int]] = {}
-    stability: dict[str, float] = {}
-    best_baseline: dict[str, str] = {}
-    static_tps: dict[str, float] = {}
-    for workload, plist in prompts.items():
-        tps = np.zeros((len(engines), len(plist)))  # [methods, prompts]
-        taus: list[list[tuple[float, int]]] = [[] for _ in engines]
-        for index, (prompt_id, prompt) in enumerate(plist):
-            rseed = slot_seed(seed, workload, prompt_id, 0)
-            for j in slot_order(len(engines), pair_seed(seed, temperature, workload, index, 0), index):
-                res, _ = run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
-                tps[j, index] = res.throughput
-                taus[j].append((res.tau, len(res.cycles)))
-        logs = np.log(np.maximum(tps[: len(trees)], 1e-12))  # [grid, prompts]
-        for (a, b, c), t, tu in zip(trees, tps, taus):
-            cyc = sum(n for _, n in tu)
-            points.append(TunePoint(workload=workload, total_tokens=a, depth=b, top_k=c, throughput=_gmean(t),
-                                    throughput_q25=_q(t, 0.25), throughput_q75=_q(t, 0.75),
-                                    tau=float(sum(v * n for v, n in tu) / cyc) if cyc else 1.0, n_requests=len(t)))
-        win = int(np.argmax(logs.mean(1)))
-        winners[workload] = list(trees[win])
-        pick = rng.integers(0, len(plist), size=(n_boot, len(plist)))  # [B, prompts]
-        stability[workload] = float((logs[:, pick].mean(2).argmax(0) == win).mean())
-        ar = next((i for i, t in enumerate(trees) if t == (0, 0, 0)), None)
-        cands = {TUNED: _gmean(tps[win])}
-        if ar is not None:
-            cands[REFERENCE] = _gmean(tps[ar])  # ties (the tuned tree is AR) go to ar
-        if static is not None:
-            static_tps[workload] = cands[SEQUOIA] = _gmean(tps[-1])
-        best_baseline[workload] = max(cands, key=lambda k: (cands[k], k == REFERENCE))
-        if progress:
-            progress(f"{workload}: best eagle{'-'.join(map(str, trees[win]))} {cands[TUNED]:.1f} tok/s "
-                     f"(winner in {100 * stability[workload]:.0f}% of resamples); best baseline {best_baseline[workload]}")
-    return TuneResult(temperature=float(temperature), points=points, winners=winners, winner_stability=stability,
-                      best_baseline=best_baseline, static_throughput=static_tps, max_new_tokens=max_new_tokens,
-                      prompts={w: [p for p, _ in v] for w, v in prompts.items()}, seconds=time.perf_counter() - t_start)
 
 
 # ---------------------------------------------------------------- inputs and outputs
@@ -798,22 +562,3 @@ def write_evaluation(result: EvaluateResult, *, requests_path: Path, summary_pat
         "oracle": result.oracle, "eagle_tuned": result.tuned, "best_baseline_calib": result.calib_best,
         "settings": result.settings, "seconds": result.seconds,
     })
-
-
-def write_tuning(result: TuneResult, path: Path) -> None:
-    write_json(path, {"temperature": result.temperature, "winners": result.winners,
-                      "winner_stability": result.winner_stability, "best_baseline": result.best_baseline,
-                      "static_throughput": result.static_throughput,
-                      "grid": [asdict(p) for p in result.points], "max_new_tokens": result.max_new_tokens,
-                      "prompts": result.prompts, "seconds": result.seconds})
-
-
-def render_summary(rows: list[dict]) -> str:
-    lines = ["| T | workload | method | tok/s (median) | IQR | tau | speedup vs ar | predicted tok/s |",
-             "|---:|---|---|---:|---|---:|---:|---:|"]
-    for r in rows:
-        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        pr = f"{r['predicted_throughput']:.1f}" if r["predicted_throughput"] is not None else "-"
-        lines.append(f"| {r['temperature']:g} | {r['workload']} | {r['method']} | {r['throughput']:.1f} | "
-                     f"{r['throughput_q25']:.1f}-{r['throughput_q75']:.1f} | {r['tau']:.2f} | {sp} | {pr} |")
-    return "\n".join(lines)

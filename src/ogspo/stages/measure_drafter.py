@@ -1,9 +1,10 @@
 """Stage `measure_drafter`: acceptance of the trained heads on held-out `eval` prompts.
 
-Per workload and temperature, side by side and interleaved prompt by prompt: the autoregressive
-target, and for every head (the train_drafter head and its GTO fine-tune) a chain (top-1 acceptance
-per depth) and EAGLE-3 dynamic trees of several sizes (tau, bonus included, and complete-request
-throughput)."""
+Per workload and temperature, for every head (the train_drafter head and its GTO fine-tune): a chain
+on `prompts_per_workload` prompts (acceptance per depth, with the cycles behind each figure), and on
+the first `speed_prompts_per_workload` of them, side by side and interleaved prompt by prompt, the
+autoregressive target and EAGLE-3 dynamic trees of several sizes (tau, bonus included, and
+complete-request throughput)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class MethodFigures:
     speedup: float  # median per-prompt throughput ratio to the autoregressive target
     tokens: int
     accept_by_depth: list[float] = field(default_factory=list)  # chains: P(depth d accepted | d-1 accepted)
+    depth_trials: list[int] = field(default_factory=list)  # chains: cycles that reached depth d - 1 (each figure's count)
+    prompts: int = 0  # requests behind the figures
 
 
 @dataclass
@@ -45,6 +48,7 @@ class MeasureResult:
     seconds: float
     prompts_per_workload: int = 0
     max_new_tokens: int = 0
+    speed_prompts_per_workload: int = 0
 
 
 def eval_prompts(workloads_dir: Path, tokenizer, n: int) -> dict[str, list[list[int]]]:
@@ -90,12 +94,15 @@ def measure_drafter(
     temperatures: tuple[float, ...] = (0.0, 1.0),
     trees: tuple[tuple[int, int, int], ...] = ((60, 5, 10), (16, 4, 4), (24, 5, 4), (32, 6, 6)),
     chain_depth: int = 6,
+    speed_prompts_per_workload: int | None = None,
     seed: int = 0,
     kernels=None,
     device: str = "cpu",
 ) -> MeasureResult:
     """Acceptance and speed of each trained head (label -> drafter folder) on held-out prompts, on
-    `device`: every head runs the same policies on the same prompts, interleaved prompt by prompt."""
+    `device`: every head runs the same policies on the same prompts, interleaved prompt by prompt.
+    Chains run on every prompt; the autoregressive target and the trees on the first
+    `speed_prompts_per_workload` (None: all), where the chains' speedup is taken too."""
     t_start = time.perf_counter()
     model, tok = load_target(model_dir, device=device)
     checksum = model_checksum(model_dir)
@@ -104,8 +111,12 @@ def measure_drafter(
     first_drafter = next(iter(drafters.values()))
     target = make_target(model, max_len=2048, drafter=first_drafter, kernels=kernels)
     prompts = eval_prompts(workloads_dir, tok, prompts_per_workload)
-    tree_policies = [chain(chain_depth)] + [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
-    runs = [("", Autoregressive(), None)] + [(label, p, d) for label, d in drafters.items() for p in tree_policies]
+    n_speed = prompts_per_workload if speed_prompts_per_workload is None else min(speed_prompts_per_workload, prompts_per_workload)
+    tree_policies = [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
+    # (head, policy, drafter, runs on every prompt): chains first, then the timed-only methods
+    runs = [(label, chain(chain_depth), d, True) for label, d in drafters.items()]
+    if n_speed:  # (0: acceptance only)
+        runs += [("", Autoregressive(), None, False)] + [(label, p, d, False) for label, d in drafters.items() for p in tree_policies]
     figures = []
     total = len(temperatures) * sum(len(v) for v in prompts.values())
     bar = tqdm(total=total, desc="measure drafter", unit="prompt")
@@ -113,52 +124,62 @@ def measure_drafter(
         # no EOS: every method generates max_new_tokens, so its speedup compares the same work (at T > 0 an AR
         # request stopping at an early EOS was timed mostly on its prefill: "2.05x" on humaneval T=1)
         engines = [SpeculativeEngine(target=target, policy=p, drafter=d, temperature=temp, eos_token_id=None)
-                   for _, p, d in runs]
+                   for _, p, d, _ in runs]
         for workload, plist in prompts.items():
-            acc: list[dict] = [{"tps": [], "cycles": [], "tokens": 0} for _ in runs]
+            acc: list[dict] = [{"tps": [], "cycles": [], "tokens": 0, "prompts": 0} for _ in runs]
             for i, prompt in enumerate(plist):
-                for a, eng in zip(acc, engines):
+                for (_, _, _, every), a, eng in zip(runs, acc, engines):
+                    if not every and i >= n_speed:
+                        continue
                     res = eng.generate(prompt, max_new_tokens=max_new_tokens, seed=seed + i)
                     a["tps"].append(res.throughput)
                     a["cycles"].extend(c.accepted for c in res.cycles)
                     a["tokens"] += len(res.tokens)
+                    a["prompts"] += 1
                 bar.update(1)
-            base = np.array(acc[0]["tps"])
-            for (label, p, _), a in zip(runs, acc):
+            base = np.array(acc[len(drafters)]["tps"] if n_speed else [])
+            for (label, p, _, _), a in zip(runs, acc):
                 cyc = np.array(a["cycles"]) - 1  # drafted tokens accepted per cycle
-                by_depth = []
+                by_depth, trials = [], []
                 if p.name.startswith("chain") and len(cyc):
                     for d in range(1, chain_depth + 1):
-                        reach = (cyc >= d - 1).sum()
+                        reach = int((cyc >= d - 1).sum())
                         by_depth.append(float((cyc >= d).sum() / reach) if reach else 0.0)
+                        trials.append(reach)
+                tps = np.array(a["tps"])
                 figures.append(MethodFigures(
                     workload=workload, temperature=temp, method=p.name, head=label,
                     tau=float(np.mean(a["cycles"])) if a["cycles"] else 1.0,
-                    throughput=float(np.median(a["tps"])),
-                    speedup=float(np.median(np.array(a["tps"]) / base)),
-                    tokens=int(a["tokens"]), accept_by_depth=by_depth,
+                    throughput=float(np.median(tps[:n_speed])) if n_speed else float("nan"),
+                    speedup=float(np.median(tps[: len(base)] / base)) if len(base) else float("nan"),
+                    tokens=int(a["tokens"]), accept_by_depth=by_depth, depth_trials=trials, prompts=a["prompts"],
                 ))
     bar.close()
     first = next(iter(prompts.values()))[0]
-    expand_ms = time_expand(first_drafter, first, target)
+    expand_ms = time_expand(first_drafter, first, target) if n_speed else {}
     return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
-                         prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens)
+                         prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,
+                         speed_prompts_per_workload=n_speed)
 
 
 def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
     data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
-            "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens}
+            "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens,
+            "speed_prompts_per_workload": result.speed_prompts_per_workload}
     write_text(out_json, json.dumps(data, indent=1))
     write_text(out_md, render_markdown(result))
 
 
 def render_markdown(result: MeasureResult) -> str:
-    lines = ["| workload | T | method | head | tau | tokens/s | speedup vs ar | top-1 acceptance by depth |",
-             "|---|---:|---|---|---:|---:|---:|---|"]
+    lines = [f"Chains on {result.prompts_per_workload} eval prompts per workload, the others (and every speedup) on the first "
+             f"{result.speed_prompts_per_workload}; {result.max_new_tokens} new tokens per request. Acceptance by depth d is "
+             "P(depth d accepted | depth d-1 reached), over the cycles that reached d-1 (in brackets).", "",
+             "| workload | T | method | head | prompts | tokens | tau | tokens/s | speedup vs ar | acceptance by depth [cycles] |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for f in result.figures:
-        depth = ", ".join(f"{a:.2f}" for a in f.accept_by_depth)
-        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.head or '-'} | {f.tau:.2f} | {f.throughput:.1f} "
-                     f"| {f.speedup:.2f}x | {depth} |")
+        depth = ", ".join(f"{a:.2f} [{n}]" for a, n in zip(f.accept_by_depth, f.depth_trials))
+        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.head or '-'} | {f.prompts} | {f.tokens} | {f.tau:.2f} "
+                     f"| {f.throughput:.1f} | {f.speedup:.2f}x | {depth} |")
     lines += ["", "One head level over w frontier nodes (median ms): "
               + ", ".join(f"w={w}: {ms:.1f}" for w, ms in result.expand_ms.items()), ""]
     return "\n".join(lines)

@@ -122,6 +122,17 @@ def _cycle_row(trace: CycleTrace, rid: str, rseed: int, tidx: dict) -> dict:
     }
 
 
+def read_calib_table(path: Path, n: int) -> pl.DataFrame:
+    """The first `n` calib prompts of one workload table (by prompt id): the prompts records are collected on."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"workload file {path} does not exist")
+    table = pl.read_parquet(path).filter(pl.col("split") == "calib").sort("prompt_id").head(n)
+    if table.height == 0:
+        raise ValueError(f"{path} has no calib prompts (workloads.<name>.calib_prompts)")
+    return table
+
+
 def collect_records(
     *,
     target: TreeLM,

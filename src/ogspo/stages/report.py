@@ -1,7 +1,7 @@
 """Stage `report`: tables, ratios and plots from the evaluation and the stages before it.
 
 `results/{device}/report/` gets `summary.json` (one row per method x workload x temperature,
-recomputed from `evaluate/requests.parquet` with `ogspo.stages.evaluate.summarize_requests`), `report.md`
+recomputed from `evaluate/requests.parquet` with `ogspo.stages.summary.summarize_requests`), `report.md`
 and PNG plots (matplotlib Agg): throughput by method and workload, the latency model fit, OGSPO
 rounds (when `rounds/T*/rounds.parquet` exist), acceptance by depth from the records summary and
 the chosen OGSPO structure drawn as a tree. Inputs that are absent leave their plot out; report.md
@@ -24,7 +24,7 @@ from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
 from ogspo.artifacts.structure import load_structure
 from ogspo.methods.registry import AA_CHECK, REFERENCE, TUNED
 from ogspo.stages.calibrate import plot_calibration
-from ogspo.stages.evaluate import pooled_comparisons, summarize_requests, temperature_tag
+from ogspo.stages.summary import pooled_comparisons, summarize_requests, temperature_tag
 
 REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
                    "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",
@@ -495,6 +495,7 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
     figs = acceptance.get("figures", [])
     heads = list(dict.fromkeys(f["head"] for f in figs if f.get("head")))
     lines = ["## Draft heads (stage measure_drafter: held-out eval prompts, heads interleaved prompt by prompt)", "",
+             "Chain acceptance by depth d: P(depth d accepted | depth d-1 reached) [cycles that reached d-1].", "",
              "| workload | T | head | chain acceptance by depth | best tree | tau | speedup vs ar |",
              "|---|---:|---|---|---|---:|---:|"]
     keys = list(dict.fromkeys((f["workload"], f["temperature"]) for f in figs))
@@ -504,12 +505,24 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
             chain_ = next((f for f in mine if f["method"].startswith("chain")), None)
             trees = [f for f in mine if f["method"].startswith("eagle")]
             best = max(trees, key=lambda f: f["tau"]) if trees else None
-            acc = ", ".join(f"{a:.2f}" for a in chain_["accept_by_depth"]) if chain_ else "-"
+            acc = "-"
+            if chain_:
+                counts = chain_.get("depth_trials") or [None] * len(chain_["accept_by_depth"])
+                acc = ", ".join(f"{a:.2f}" + (f" [{n}]" if n is not None else "") for a, n in zip(chain_["accept_by_depth"], counts))
+                acc += f" ({chain_.get('prompts', '?')} prompts)"
             lines.append(f"| {w} | {t:g} | {h} | {acc} | {best['method'] if best else '-'} | "
                          f"{_fmt(best['tau'] if best else None)} | {_fmt(best['speedup'] if best else None)}x |")
     for h, meta in metas.items():
         top1 = [round(a, 3) for a in meta.get("metrics", {}).get("val_top1", [])]
+        m = meta.get("metrics", {})
         text = f"- {h}: held-out TTT top-1 {top1}"
+        d = m.get("data")
+        if d:
+            made = "read from the cache" if d["cached"] else f"{d['tokens_per_second']:.0f} tokens/s of data generation"
+            text += (f"; {m['train_tokens']} training tokens ({d['generated_tokens']} written by the target, "
+                     f"{d['self_instructions']} self-written requests, {d['near_held_out']} prompts dropped as near an "
+                     f"eval/calib prompt; {made}); data {m['data_seconds'] / 60:.1f} min, {m['steps']} steps "
+                     f"{m['train_seconds'] / 60:.1f} min")
         g = meta.get("gto_metrics")
         if g:
             text += (f"; GTO {g['steps']} steps ({g['seconds'] / 60:.1f} min), held-out Draft Tree Reward "
@@ -564,33 +577,10 @@ def limiting_factors(rows: list[dict], *, latency_doc: dict | None, structures: 
 # ---------------------------------------------------------------- stage
 
 
-def write_report(
-    *,
-    evaluate_summary: Path,
-    requests: Path,
-    out_dir: Path,
-    latency: Path | None = None,
-    records_summary: Path | None = None,
-    structures: Mapping[str, Path] | None = None,
-    rounds: Mapping[str, Path] | None = None,
-    drafter_eval: Path | None = None,
-    heads: Mapping[str, Path] | None = None,
-    sequoia: Mapping[str, Path] | None = None,
-) -> ReportResult:
-    """report/summary.json, report/report.md and the plots. `structures` and `rounds` map a temperature
-    tag (T0, T1) to policy/T*/structure.json and rounds/T*/rounds.parquet; absent rounds files leave
-    the rounds plot out (said in report.md). `drafter_eval` (drafter_eval/acceptance.json) and `heads`
-    (label -> drafter folder) add the draft heads side by side."""
-
-    out_dir = Path(out_dir)
-    ev = _read_json(evaluate_summary, "evaluation summary")
-    df = read_requests(requests)
-    oracle = ev.get("oracle") or {}
-    calib_best = ev.get("best_baseline_calib") or {}
-    rows = summarize_requests(df, oracle=oracle, calib_best=calib_best)
-    if not rows:
-        raise ValueError(f"{requests} holds no requests")
-    ratios = ogspo_ratios(rows)
+def draw_plots(rows: list[dict], out_dir: Path, *, latency: Path | None, rounds: Mapping[str, Path] | None,
+               records_summary: Path | None, structures: Mapping[str, Path] | None):
+    """The report's plots from what exists: (plots written, what was left out and why, the latency
+    document, rounds tables per tag, OGSPO structures per tag)."""
     missing: list[str] = []
     plots = [plot_throughput(rows, out_dir / "throughput.png")]
     latency_doc = None
@@ -618,6 +608,38 @@ def write_report(
             missing.append(f"OGSPO structure {tag}: {p} not found")
     if paths:
         plots.append(plot_structures(paths, out_dir / "structure.png"))
+    return plots, missing, latency_doc, rounds_frames, paths
+
+
+def write_report(
+    *,
+    evaluate_summary: Path,
+    requests: Path,
+    out_dir: Path,
+    latency: Path | None = None,
+    records_summary: Path | None = None,
+    structures: Mapping[str, Path] | None = None,
+    rounds: Mapping[str, Path] | None = None,
+    drafter_eval: Path | None = None,
+    heads: Mapping[str, Path] | None = None,
+    sequoia: Mapping[str, Path] | None = None,
+) -> ReportResult:
+    """report/summary.json, report/report.md and the plots. `structures` and `rounds` map a temperature
+    tag (T0, T1) to policy/T*/structure.json and rounds/T*/rounds.parquet; absent rounds files leave
+    the rounds plot out (said in report.md). `drafter_eval` (drafter_eval/acceptance.json) and `heads`
+    (label -> drafter folder) add the draft heads side by side."""
+
+    out_dir = Path(out_dir)
+    ev = _read_json(evaluate_summary, "evaluation summary")
+    df = read_requests(requests)
+    oracle = ev.get("oracle") or {}
+    calib_best = ev.get("best_baseline_calib") or {}
+    rows = summarize_requests(df, oracle=oracle, calib_best=calib_best)
+    if not rows:
+        raise ValueError(f"{requests} holds no requests")
+    ratios = ogspo_ratios(rows)
+    plots, missing, latency_doc, rounds_frames, paths = draw_plots(rows, out_dir, latency=latency, rounds=rounds,
+                                                                   records_summary=records_summary, structures=structures)
     limits = limiting_factors(rows, latency_doc=latency_doc, structures=paths)
     lossless = ev.get("lossless") or {}
     tuned = ev.get("eagle_tuned") or {}

@@ -94,8 +94,9 @@ def load():
         lib.ogspo_add_rmsnorm.restype = None
         lib.ogspo_silu_mul.argtypes = [ptr, ptr, i64, i64]
         lib.ogspo_silu_mul.restype = None
-        lib.ogspo_rope_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
-        lib.ogspo_rope_attention.restype = None
+        lib.ogspo_rope_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
+                                             ctypes.c_int]
+        lib.ogspo_rope_attention.restype = ctypes.c_int  # a status code (ROPE_ATTENTION_ERRORS)
         _state["reason"] = None
         _state["vector_width"] = lib.ogspo_vector_width()
         assert lib.ogspo_ops_vector_width() == _state["vector_width"]
@@ -104,6 +105,15 @@ def load():
         _state["reason"] = str(err)
     _state["lib"] = lib
     return lib
+
+
+# ogspo_rope_attention's status codes (ops.c), as the one-line error each raises
+ROPE_ATTENTION_ERRORS = {
+    1: "native attention: row count, heads or head dimension out of range",
+    2: "native attention: the new rows do not fit the cache (need committed <= start and start + m <= cache rows)",
+    3: "native attention: a position outside the rotary table (longer than the model's max_len?)",
+    4: "native attention: out of memory",
+}
 
 
 def vector_width() -> int | None:
@@ -138,6 +148,8 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         """x [..., in] fp32 -> [..., out]."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(f"native matmul takes fp32 CPU rows of {self.in_features}, got {tuple(x.shape)} {x.dtype} on {x.device}")
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():

@@ -106,6 +106,8 @@ static const micro_fn M1[] = {0, m1_1, m1_2, m1_3, m1_4, m1_5, m1_6};
 
 /* y[m, out] = x[m, in] @ W^T from the packed weight, on `threads` OpenMP threads. */
 void ogspo_gemm(const float *x, int64_t m, int64_t in, const float *packed, int64_t out, float *y, int threads) {
+    if (m <= 0 || in <= 0 || out <= 0) return; /* nothing to compute (and NP_OF(0) would divide by zero) */
+    if (threads < 1) threads = 1;
     int64_t panels = (out + PW - 1) / PW;
     int64_t passes = (m + MR_MAX - 1) / MR_MAX;
     int64_t block = m > MR_MAX ? MR_MAX : m; /* full row blocks first: the one pass from memory does the most rows */

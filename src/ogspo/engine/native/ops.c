@@ -120,7 +120,14 @@ static inline void rope(const float *x, const float *cs, const float *sn, float 
     for (int64_t d = half; d < hd; d++) out[d] = x[d] * cs[d] + x[d - half] * sn[d];
 }
 
-/* qkv [m, (H + 2KV) * hd] (bias [(H + 2KV) * hd] or NULL), positions [m], cos/sin [max_len, hd];
+/* Status codes of ogspo_rope_attention (the Python side raises one line for each). */
+#define OGSPO_OK 0
+#define OGSPO_BAD_SHAPE 1   /* m, heads or head dimension out of range */
+#define OGSPO_OUT_OF_CACHE 2 /* committed <= start and start + m <= max_len do not hold */
+#define OGSPO_BAD_POSITION 3 /* a position outside the rotary table's rows */
+#define OGSPO_NO_MEMORY 4
+
+/* qkv [m, (H + 2KV) * hd] (bias [(H + 2KV) * hd] or NULL), positions [m], cos/sin [table_len, hd];
  * caches kc/vc [KV, max_len, hd]; the m new rows go to cache rows start..start+m. Row i sees every
  * committed row (0..committed), and of the pending rows committed..start+m those with
  * attend[i, j - committed] != 0 (attend [m, start - committed + m]); attend NULL means causal
@@ -131,14 +138,22 @@ static inline void rope(const float *x, const float *cs, const float *sn, float 
  * and the value sum run over keys in cache order per lane, and an invisible key's weight is an
  * exact zero (adding it changes no bit). Nothing depends on a query's lane or on which other
  * queries share the call. */
-void ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *positions, const float *cos_t,
-                          const float *sin_t, float *kc, float *vc, int64_t max_len, int64_t start, int64_t committed,
-                          const uint8_t *attend, int64_t m, int64_t H, int64_t KV, int64_t hd, float *out, int threads) {
+int ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *positions, const float *cos_t,
+                         const float *sin_t, int64_t table_len, float *kc, float *vc, int64_t max_len, int64_t start,
+                         int64_t committed, const uint8_t *attend, int64_t m, int64_t H, int64_t KV, int64_t hd, float *out,
+                         int threads) {
+    if (m <= 0 || KV <= 0 || H <= 0 || H % KV != 0 || hd <= 0 || hd % VW != 0) return OGSPO_BAD_SHAPE;
+    if (committed < 0 || committed > start || start + m > max_len) return OGSPO_OUT_OF_CACHE;
+    for (int64_t i = 0; i < m; i++)
+        if (positions[i] < 0 || positions[i] >= table_len) return OGSPO_BAD_POSITION;
+    if (threads < 1) threads = 1;
     const int64_t width = (H + 2 * KV) * hd, end = start + m, group = H / KV, pending = end - committed;
     const int64_t nq = group * m, nb = (nq + VW - 1) / VW; /* queries of a group, lane blocks */
     const float scale = 1.f / sqrtf((float)hd);
     float *qt = malloc(sizeof(float) * KV * hd * nb * VW); /* [KV][hd][nb * VW]: roped queries, query q = i * group + h % group */
+    if (!qt) return OGSPO_NO_MEMORY;
     memset(qt, 0, sizeof(float) * KV * hd * nb * VW);
+    int failed = 0; /* an allocation inside the parallel loop failed: its block is skipped, the call reports it */
     float tmp[hd], rq[hd];
     for (int64_t i = 0; i < m; i++) {
         const float *row = qkv + i * width, *cs = cos_t + positions[i] * hd, *sn = sin_t + positions[i] * hd;
@@ -165,6 +180,14 @@ void ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *po
             const float *Q = qt + g * hd * nb * VW + b * VW, *K = kc + g * max_len * hd, *V = vc + g * max_len * hd;
             const int64_t ldq = nb * VW;
             vf *S = aligned_alloc(sizeof(vf), sizeof(vf) * end); /* scores, then weights: [end] x lanes */
+            vi *vis = aligned_alloc(sizeof(vi), sizeof(vi) * (pending > 0 ? pending : 1));
+            if (!S || !vis) {
+                free(S);
+                free(vis);
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
             /* visibility of pending key j for lane l: row (b * VW + l) / group */
             int64_t j = 0;
             for (; j + 8 <= end; j += 8) {
@@ -194,7 +217,6 @@ void ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *po
             for (int l = 0; l < VW; l++) lanes_valid[l] = b * VW + l < nq ? -1 : 0;
             vf mx = vset(-INFINITY);
             for (j = 0; j < committed; j++) mx = vmax(mx, S[j]);
-            vi *vis = aligned_alloc(sizeof(vi), sizeof(vi) * (pending > 0 ? pending : 1));
             for (j = committed; j < end; j++) {
                 vi v = {0};
                 for (int l = 0; l < VW; l++) {
@@ -263,4 +285,5 @@ void ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *po
         }
     }
     free(qt);
+    return failed ? OGSPO_NO_MEMORY : OGSPO_OK;
 }
