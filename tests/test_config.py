@@ -200,7 +200,7 @@ def test_missing_fortunes_is_one_line_with_the_ways_out(base, tmp_path):
 
 
 def test_a_machine_without_fortunes_runs_the_other_workloads(base, tmp_path):
-    without = deep_merge(base, {"workloads": {"fortunes": None}})
+    without = deep_merge(base, {"workloads": {"fortunes": None}, "drafter": {"extra_fortunes": 5}})
     assert error_of(without).startswith("config error at 'drafter.extra_fortunes':")
     without["drafter"]["extra_fortunes"] = 0
     assert list(load_config(without)["workloads"]) == ["mtbench", "humaneval"]

@@ -92,8 +92,8 @@ def test_every_tree_policy_is_lossless_against_transformers(family, backend):
             if isinstance(policy, CountingOgspo):
                 sizes += policy.sizes
     assert np.mean(accepted) > 1.5, f"{family}: mean accepted length {np.mean(accepted):.2f}: the drafter tests too little"
-    # the size rule pruned some cycles' trees and verified drafted nodes in others: both paths decoded losslessly
-    assert any(v < d for d, v in sizes) and any(v > 0 for d, v in sizes), sizes
+    # the size rule pruned drafted nodes (with the old costs it verified every one of them), losslessly
+    assert any(v < d for d, v in sizes), sizes
 
 
 @pytest.mark.parametrize("family,backend", [("mistral-sliding", "llama"), ("mistral-sliding", "hf"),

@@ -509,7 +509,7 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
             if chain_:
                 counts = chain_.get("depth_trials") or [None] * len(chain_["accept_by_depth"])
                 acc = ", ".join(f"{a:.2f}" + (f" [{n}]" if n is not None else "") for a, n in zip(chain_["accept_by_depth"], counts))
-                acc += f" ({chain_.get('prompts', '?')} prompts)"
+                acc += f" ({chain_['prompts']} prompts)" if chain_.get("prompts") else ""
             lines.append(f"| {w} | {t:g} | {h} | {acc} | {best['method'] if best else '-'} | "
                          f"{_fmt(best['tau'] if best else None)} | {_fmt(best['speedup'] if best else None)}x |")
     for h, meta in metas.items():
