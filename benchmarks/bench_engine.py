@@ -261,11 +261,11 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="update this script's section of docs/BENCHMARKS.md")
     args = ap.parse_args()
 
-    from ogspo.stages.model import load_target
-    from ogspo.stages.calibrate import calibrate_device_kernels
-    from ogspo.stages.config import load_config
     from ogspo.engine.kernels import read_kernel_table
     from ogspo.methods.registry import make_target
+    from ogspo.stages.calibrate import calibrate_device_kernels
+    from ogspo.stages.config import load_config
+    from ogspo.stages.model import load_target
 
     model, tok = load_target(args.model)
     if args.kernels is not None:

@@ -37,8 +37,8 @@ from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.engine.policies import Autoregressive, DynamicTree  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
 from ogspo.stages.evaluate import load_prompts, slot_order, slot_seed  # noqa: E402
-from ogspo.stages.tune import tune_eagle  # noqa: E402
 from ogspo.stages.model import load_target, model_checksum  # noqa: E402
+from ogspo.stages.tune import tune_eagle  # noqa: E402
 
 HEADS = ("base", "control", "gto")
 

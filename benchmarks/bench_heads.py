@@ -54,12 +54,20 @@ def main() -> int:
     from ogspo.artifacts.settings import default_settings
     from ogspo.artifacts.structure import load_structure
     from ogspo.engine.kernels import read_kernel_table
+    from ogspo.engine.policies import Autoregressive, DynamicTree
     from ogspo.engine.tree import Structure
     from ogspo.methods.registry import make_drafter, make_target
     from ogspo.stages.compare import ratio_intervals
-    from ogspo.stages.evaluate import (MethodSpec, load_prompts, make_method_engine, pair_seed, run_request, slot_order,
-                                       slot_seed, structure_policy)
-    from ogspo.engine.policies import Autoregressive, DynamicTree
+    from ogspo.stages.evaluate import (
+        MethodSpec,
+        load_prompts,
+        make_method_engine,
+        pair_seed,
+        run_request,
+        slot_order,
+        slot_seed,
+        structure_policy,
+    )
     from ogspo.stages.model import load_target, model_checksum
     from ogspo.stages.records import collect_records, read_calib_table
     from ogspo.stages.sequoia import build_sequoia

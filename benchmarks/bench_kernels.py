@@ -61,12 +61,12 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
-    from ogspo.stages.model import load_target, model_checksum
-    from ogspo.stages.measure_drafter import eval_prompts
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.kernels import describe, read_kernel_table
     from ogspo.engine.policies import Autoregressive, DynamicTree
     from ogspo.methods.registry import make_drafter, make_target
+    from ogspo.stages.measure_drafter import eval_prompts
+    from ogspo.stages.model import load_target, model_checksum
 
     trees = [tuple(int(v) for v in t.split(",")) for t in args.trees]
     model, tok = load_target(args.model)

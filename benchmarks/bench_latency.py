@@ -20,15 +20,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import REPO, cpu_model, write_section  # noqa: E402
 
-
 NOTE = "A first run with torch's default 2 threads, while both cores were taken by other processes, was\npathological (OpenMP contention: t_verify(1) ~2.3 s, held-out errors up to 500%); this run used\n`--threads 1`. Rerun on an idle machine with the default threads before trusting the absolute numbers."
 
 
 def main() -> None:
-    from ogspo.stages.model import load_target, read_manifest
+    from ogspo.methods.registry import make_drafter, make_target
     from ogspo.stages.calibrate import calibrate_latency, plot_calibration
     from ogspo.stages.config import load_config
-    from ogspo.methods.registry import make_drafter, make_target
+    from ogspo.stages.model import load_target, read_manifest
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=REPO / "results/.test-cache/smollm2")

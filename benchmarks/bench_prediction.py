@@ -29,8 +29,17 @@ def main() -> None:
     from ogspo.engine.kernels import read_kernel_table
     from ogspo.engine.policies import Autoregressive, DynamicTree, chain
     from ogspo.methods.registry import make_drafter, make_target
-    from ogspo.stages.evaluate import (MethodSpec, SpeedProbe, load_prompts, make_method_engine, pair_seed, run_request,
-                                       slot_order, slot_seed, structure_policy)
+    from ogspo.stages.evaluate import (
+        MethodSpec,
+        SpeedProbe,
+        load_prompts,
+        make_method_engine,
+        pair_seed,
+        run_request,
+        slot_order,
+        slot_seed,
+        structure_policy,
+    )
     from ogspo.stages.model import load_target, read_manifest
 
     ap = argparse.ArgumentParser()

@@ -32,8 +32,8 @@ PROMPTS = [
 
 def replay_speed(K: int = 2000, C: int = 2000, seed: int = 0) -> tuple[float, int, int]:
     from ogspo.artifacts.latency import LatencyModel
-    from ogspo.engine.tree import Structure
     from ogspo.artifacts.records import template_index
+    from ogspo.engine.tree import Structure
     from ogspo.offline.replay import ReplayCycles, replay
 
     rng = np.random.default_rng(seed)
@@ -68,14 +68,14 @@ def replay_speed(K: int = 2000, C: int = 2000, seed: int = 0) -> tuple[float, in
 
 
 def main() -> None:
-    from ogspo.stages.model import load_target
+    from ogspo.artifacts.records import load_records
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.policies import StaticTree
     from ogspo.engine.tree import Structure
     from ogspo.methods.registry import make_drafter, make_target
-    from ogspo.stages.records import collect_records
-    from ogspo.artifacts.records import load_records
     from ogspo.offline.replay import replay, replay_cycles
+    from ogspo.stages.model import load_target
+    from ogspo.stages.records import collect_records
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=REPO / "results/.test-cache/smollm2")

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 import transformers as tf
-
-import ogspo
 from engine_helpers import hf_greedy
 from family_models import COMMON
+
+import ogspo
 from ogspo.artifacts.prompts import render_chat, render_raw
 from ogspo.stages.model import MANIFEST, complete_tokenizer, gguf_tokenizer_metadata, prepare_model, weights_checksum
 
@@ -64,6 +64,7 @@ def test_load_refuses_bad_arguments_in_one_line(qwen3_folder):
 
 def _early_exit_gemma():
     from family_models import family_model
+
     from ogspo.methods.registry import make_drafter
 
     make_drafter("early-exit", target_model=family_model("gemma2-softcap"), max_len=32)

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import polars as pl
 import pytest
-
 from engine_helpers import hf_greedy, tiny_model
 from solve_helpers import synthetic_cycles, synthetic_latency
+
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, template_index
 from ogspo.artifacts.router import ROUTER_FEATURES, Router, load_router, template_name, write_router

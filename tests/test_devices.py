@@ -14,10 +14,10 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from engine_helpers import make_head, tiny_model
 from torch.overrides import TorchFunctionMode
 
 import ogspo
-from engine_helpers import make_head, tiny_model
 from ogspo.drafter.data import annotate, generate_annotated, generate_batched
 from ogspo.drafter.runtime import EagleDrafter
 from ogspo.drafter.train import make_batch, ttt_loss

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from engine_helpers import hf_greedy, make_head, tiny_model
 from safetensors.torch import save_file
 
-from engine_helpers import hf_greedy, make_head, tiny_model
 from ogspo.drafter.runtime import META, WEIGHTS, EagleDrafter, load_head
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import DynamicTree, StaticTree, chain

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from engine_helpers import check_tree_forward, hf_greedy, tiny_model
+
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain

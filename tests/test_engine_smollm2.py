@@ -6,7 +6,8 @@ import warnings
 import pytest
 import torch
 
-from ogspo.engine import kernels as K, native
+from ogspo.engine import kernels as K
+from ogspo.engine import native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.target import LlamaTreeLM

@@ -8,17 +8,17 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-
 from engine_helpers import hf_greedy, tiny_model
+from policy_helpers import threshold_head
 from solve_helpers import synthetic_latency
+
+from ogspo.artifacts.structure import write_structure
 from ogspo.engine import decode
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.engine.verify import Verdict
 from ogspo.learn.export import export_policy
-from ogspo.artifacts.structure import write_structure
-from policy_helpers import threshold_head
 from ogspo.stages.evaluate import (
     LosslessError,
     evaluate_methods,
@@ -159,8 +159,8 @@ def test_lossless_check_catches_a_broken_verifier(models, monkeypatch):
 
 def test_near_ties_are_reported_not_failed(models, monkeypatch):
     """A divergence that compare_greedy calls a near-tie is listed, and the run goes on."""
-    from ogspo.stages import evaluate as ev
     from ogspo.engine.lossless import LosslessReport
+    from ogspo.stages import evaluate as ev
 
     target_model, target, drafter = models
     monkeypatch.setattr(decode, "verify_greedy", _broken_verify_greedy)

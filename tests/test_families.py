@@ -5,10 +5,10 @@ window mask could not hide behind rejected drafts."""
 import numpy as np
 import pytest
 import torch
-
 from engine_helpers import check_tree_forward, hf_greedy
-from ogspo.artifacts.size_rule import SizeRule
 from family_models import FAMILIES, WINDOW, family_model, perturbed
+
+from ogspo.artifacts.size_rule import SizeRule
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain

@@ -56,10 +56,11 @@ def test_group_advantages_and_clipped_loss_match_a_worked_example():
 # ---------------------------------------------------------------- the GTO training step (tiny Llama)
 
 from engine_helpers import make_head, tiny_model  # noqa: E402
+
 from ogspo.drafter.data import annotate  # noqa: E402
+from ogspo.drafter.head import EagleHead  # noqa: E402
 from ogspo.drafter.runtime import EagleDrafter  # noqa: E402
 from ogspo.drafter.train import chunk_index, make_batch, target_to_draft, ttt_loss  # noqa: E402
-from ogspo.drafter.head import EagleHead  # noqa: E402
 from ogspo.drafter.train_gto import GroupScorer, draft_at, gto_loss, gto_step, path_logprobs  # noqa: E402
 from ogspo.engine.policies import DynamicTree  # noqa: E402
 from ogspo.engine.target import build_tree_lm  # noqa: E402

@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from engine_helpers import assert_tree_policies_equal_greedy, hf_greedy, tiny_model
-from ogspo.engine import kernels as K, native
+
+from ogspo.engine import kernels as K
+from ogspo.engine import native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import chain

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import assert_tree_policies_equal_greedy, tiny_model
-from ogspo.engine import kernels as K, native
+
+from ogspo.engine import kernels as K
+from ogspo.engine import native
 from ogspo.engine.layer_ops import Step, TorchLayerOps, make_layer_ops
 from ogspo.engine.target import LlamaTreeLM
 

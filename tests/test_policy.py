@@ -8,10 +8,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
-from policy_helpers import threshold_head
 from engine_helpers import hf_greedy, tiny_model
+from policy_helpers import threshold_head
 from solve_helpers import synthetic_latency
+
 from ogspo.artifacts.records import load_records, request_seed
 from ogspo.artifacts.structure import write_structure
 from ogspo.engine.decode import SpeculativeEngine
@@ -221,10 +221,10 @@ def test_ogspo_method_is_lossless_at_temperature_zero(tmp_path):
 
 def test_train_policy_cli(tiny_records, tmp_path):
     """records + latency + oracle -> policy folder that the `ogspo` method loads."""
+    from ogspo.artifacts.oracle import write_oracle
     from ogspo.cli import main
     from ogspo.offline.replay import replay_cycles
     from ogspo.offline.solve import solve_oracle
-    from ogspo.artifacts.oracle import write_oracle
 
     lat = synthetic_latency()
     (tmp_path / "latency.json").write_text(json.dumps(lat.to_json()))

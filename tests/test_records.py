@@ -7,8 +7,8 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-
 from engine_helpers import tiny_model
+
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import load_records, summarize_records, template_index
 from ogspo.engine.decode import SpeculativeEngine

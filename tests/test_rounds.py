@@ -7,17 +7,18 @@ import json
 import numpy as np
 import polars as pl
 import pytest
+from engine_helpers import hf_greedy, tiny_model
+from policy_helpers import threshold_head
+from solve_helpers import synthetic_latency
 
 import ogspo.learn.rounds as rounds_mod
-from policy_helpers import threshold_head
-from engine_helpers import hf_greedy, tiny_model
-from solve_helpers import synthetic_latency
 from ogspo.artifacts.oracle import StructureResult
 from ogspo.artifacts.records import load_records
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
+from ogspo.learn.export import export_policy
 from ogspo.learn.policy import load_head, offline_states, policy_depths
 from ogspo.learn.rounds import (
     SameTraceSetup,
@@ -28,13 +29,12 @@ from ogspo.learn.rounds import (
     same_trace,
     summarize_same_trace,
 )
+from ogspo.learn.size import fit_size_decision
 from ogspo.methods.features import N_FEATURES
 from ogspo.methods.ogspo import load_policy_dir
 from ogspo.methods.registry import make_policy
-from ogspo.learn.export import export_policy
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.records import collect_records
-from ogspo.learn.size import fit_size_decision
 from ogspo.stages.rounds import run_rounds_stage, write_rounds
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]

@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
+from test_records import PROMPTS, SUBS, _collect, _model, _setup
 
 from ogspo.artifacts.records import load_records
 from ogspo.artifacts.size_rule import SizeRule, read_size_rule, write_size_rule
@@ -20,7 +21,6 @@ from ogspo.offline.size import (
     size_data,
     size_tables,
 )
-from test_records import PROMPTS, SUBS, _collect, _model, _setup
 
 
 class TopV(StaticTree):

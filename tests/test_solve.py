@@ -6,13 +6,12 @@ import json
 
 import numpy as np
 import pytest
+from solve_helpers import synthetic_cycles, synthetic_latency
 
 from ogspo.artifacts.oracle import write_oracle
 from ogspo.engine.tree import Structure
 from ogspo.offline import solve
 from ogspo.offline.milp import charnes_cooper, solve_parametric
-
-from solve_helpers import synthetic_cycles, synthetic_latency
 
 TINY = [Structure.full([2, 1, 1]), Structure([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]), Structure.full([3, 1])]
 FAST = {"time_limit": 30, "mip_gap": 1e-9, "dinkelbach_tol": 1e-10}

@@ -14,18 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.api import load
 from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import write_oracle
 from ogspo.artifacts.records import load_records, summarize_records
-from ogspo.api import load
 from ogspo.engine.kernels import describe, read_kernel_table, write_kernel_table
 from ogspo.engine.tree import Structure
 from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_drafter, make_target
 from ogspo.offline.replay import replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_oracle
 from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_device_kernels, calibrate_latency, write_calibration
-from ogspo.stages.config import check_temperature, ConfigError, load_config
+from ogspo.stages.config import ConfigError, check_temperature, load_config
 from ogspo.stages.evaluate import (
     evaluate_methods,
     load_prompts,
@@ -34,8 +34,6 @@ from ogspo.stages.evaluate import (
     structure_policy,
     write_evaluation,
 )
-from ogspo.stages.summary import render_summary, temperature_tag
-from ogspo.stages.tune import tune_eagle, write_tuning
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
 from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
@@ -45,9 +43,11 @@ from ogspo.stages.resolve import resolve_device
 from ogspo.stages.rounds import run_rounds_stage
 from ogspo.stages.routing import run_train_routing
 from ogspo.stages.sequoia import build_sequoia
+from ogspo.stages.summary import render_summary, temperature_tag
 from ogspo.stages.train_drafter import run_train_drafter
 from ogspo.stages.train_gto import run_train_gto
 from ogspo.stages.train_policy import run_train_policy
+from ogspo.stages.tune import tune_eagle, write_tuning
 from ogspo.stages.workloads import prepare_workloads
 
 

@@ -23,7 +23,6 @@ import numpy as np
 
 from ogspo.artifacts.io import write_json
 
-
 SCHEMA_VERSION = 2  # 2: fixed_ar, the overhead of an autoregressive step
 
 

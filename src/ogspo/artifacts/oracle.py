@@ -9,7 +9,6 @@ from pathlib import Path
 from ogspo.artifacts.io import write_text
 from ogspo.engine.tree import Structure
 
-
 SCHEMA_VERSION = 1
 
 

@@ -4,7 +4,6 @@ input ``features`` [batch, F] float32 and gives one output ``advantage`` [batch]
 
 from __future__ import annotations
 
-
 INPUT_NAME, OUTPUT_NAME = "features", "advantage"
 
 

@@ -11,7 +11,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
 WORKLOADS = ("mtbench", "humaneval", "fortunes")
 
 

@@ -21,7 +21,6 @@ import polars as pl
 from ogspo.artifacts.io import atomic_write
 from ogspo.engine.tree import Structure
 
-
 SCHEMA_VERSION = 1
 
 

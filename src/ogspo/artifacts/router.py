@@ -13,7 +13,6 @@ from ogspo import __version__
 from ogspo.artifacts.io import write_text
 from ogspo.engine.tree import Structure
 
-
 ROUTER_FORMAT = "ogspo-router"
 
 

@@ -25,16 +25,25 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
-from .data import (Sequence, annotate, corpus_prompts, draft_vocabulary, generate_annotated, generate_batched, self_instructions,
-                   stdlib_sequences, train_prompts)
-from .head import EagleHead, HeadConfig
-from .runtime import META, WEIGHTS
-
 from ogspo.artifacts.io import atomic_write
 from ogspo.artifacts.prompts import render_chat
 from ogspo.artifacts.settings import settings
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
+
+from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
+from .data import (
+    Sequence,
+    annotate,
+    corpus_prompts,
+    draft_vocabulary,
+    generate_annotated,
+    generate_batched,
+    self_instructions,
+    stdlib_sequences,
+    train_prompts,
+)
+from .head import EagleHead, HeadConfig
+from .runtime import META, WEIGHTS
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ogspo.artifacts.settings import settings
 from ogspo.engine.policies import CycleContext, DynamicTree
 from ogspo.engine.target import ForwardOut, TreeLM, build_tree_lm
 from ogspo.engine.tree import DraftTree, ancestor_matrix
@@ -38,10 +39,17 @@ from .data import Sequence
 from .gto import clipped_surrogate, group_advantages, tree_reward
 from .head import EagleHead
 from .runtime import EagleDrafter, load_head
-from .train import (batch_at, build_data, make_batch, split_windows, target_to_draft, token_batches, ttt_loss, window_lengths,
-                    write_head)
-
-from ogspo.artifacts.settings import settings
+from .train import (
+    batch_at,
+    build_data,
+    make_batch,
+    split_windows,
+    target_to_draft,
+    token_batches,
+    ttt_loss,
+    window_lengths,
+    write_head,
+)
 
 
 @dataclass

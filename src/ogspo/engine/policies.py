@@ -21,6 +21,7 @@ import numpy as np
 from .drafters import TreeDrafter
 from .tree import DraftTree, Structure
 
+
 @dataclass(frozen=True)
 class CycleContext:
     """What the engine tells a policy and its stop hook about the cycle being drafted."""

@@ -45,15 +45,12 @@ import numpy as np
 import torch
 
 from ogspo.artifacts.io import atomic_write
-from ogspo.artifacts.settings import settings
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, path_str
+from ogspo.artifacts.settings import settings
 from ogspo.engine.tree import DraftTree, Structure
 from ogspo.methods.features import EMA_ALPHA, FEATURE_NAMES, FEATURES_VERSION, N_FEATURES, state_features
 from ogspo.offline.replay import replay, replay_cycles
-
-
-
 
 # ---------------------------------------------------------------- features
 

@@ -64,7 +64,6 @@ from ogspo.engine.policies import CycleContext, StaticTree
 from ogspo.engine.target import TreeLM
 from ogspo.engine.tree import DraftTree, Structure
 from ogspo.learn.export import export_policy
-from ogspo.learn.ship import ShipDecision
 from ogspo.learn.policy import (
     PolicyData,
     PolicyHead,
@@ -74,6 +73,7 @@ from ogspo.learn.policy import (
     policy_depths,
     train_policy,
 )
+from ogspo.learn.ship import ShipDecision
 from ogspo.methods.features import FEATURE_NAMES, state_features
 from ogspo.methods.ogspo import OnnxPolicy
 from ogspo.offline.replay import replay, replay_cycles

@@ -50,9 +50,6 @@ from ogspo.methods.features import EMA_ALPHA
 from ogspo.methods.routing import router_features
 from ogspo.offline.replay import replay, replay_cycles, structure_mask
 
-
-
-
 # ---------------------------------------------------------------- features
 
 

@@ -11,7 +11,6 @@ import numpy as np
 from ogspo.engine.policies import CycleContext
 from ogspo.engine.tree import DraftTree
 
-
 FEATURES_VERSION = 1
 
 

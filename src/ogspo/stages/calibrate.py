@@ -36,12 +36,11 @@ Held-out shapes (n and L outside the table) give the validation error (MdAPE).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
-
-import hashlib
 
 import numpy as np
 import torch

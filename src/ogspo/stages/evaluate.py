@@ -34,9 +34,9 @@ from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import request_seed
 from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
-from ogspo.engine.target import synchronize
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
+from ogspo.engine.target import synchronize
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.ogspo import OgspoTree
 from ogspo.methods.registry import AA_CHECK, EVAL_METHODS, REFERENCE, TUNED, make_policy

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
+import polars as pl
+
+from ogspo.artifacts.io import atomic_write, write_text
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import load_records
+from ogspo.artifacts.size_rule import SIZE_FILE, write_size_rule
 from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure, write_structure
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.target import TreeLM
@@ -17,12 +23,6 @@ from ogspo.learn.policy import HEAD_FILE, policy_settings, save_head
 from ogspo.learn.rounds import RoundRow, RoundsResult, SameTraceSetup, rounds_settings, run_rounds, sample_requests
 from ogspo.learn.ship import ShipDecision, decide_shipping
 from ogspo.learn.size import SizeDecision, fit_size_decision
-from ogspo.artifacts.size_rule import SIZE_FILE, write_size_rule
-import math
-import os
-import polars as pl
-from ogspo.artifacts.io import atomic_write, write_text
-
 
 ROUND_SCHEMA = {
     k: (pl.Int32 if k in ("round", "structure_size", "structure_depth", "same_trace_cycles", "explored_decisions")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 
 from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel

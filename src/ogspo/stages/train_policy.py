@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import load_records
 from ogspo.learn.export import write_policy_folder
 from ogspo.learn.policy import PolicyTrainResult, combine_data, offline_states, train_policy
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION
-import time
-from ogspo.artifacts.io import write_text
 
 
 @dataclass

@@ -24,9 +24,15 @@ from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
 from ogspo.artifacts.prompts import (
-    WORKLOADS, RawPrompt, read_fortunes, read_humaneval, read_jsonl_prompts, read_mtbench, render_chat, render_raw,
+    WORKLOADS,
+    RawPrompt,
+    read_fortunes,
+    read_humaneval,
+    read_jsonl_prompts,
+    read_mtbench,
+    render_chat,
+    render_raw,
 )
-
 
 
 @dataclass(frozen=True)
