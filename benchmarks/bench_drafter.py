@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, head_dirs, write_section  # noqa: E402
 
 
 def prefix_by_tokens(seqs: list, budget: int, seed: int) -> list:
@@ -64,12 +64,7 @@ def main() -> int:
     cfg = settings("drafter", full["drafter"])
     cfg.pop("gto")
     fortunes = full["workloads"].get("fortunes") or {}
-    heads = {}
-    for spec in args.head:
-        name, sep, path = spec.partition("=")
-        if not sep or not Path(path, "drafter.json").is_file():
-            ap.error(f"--head takes NAME=DIR with DIR a drafter folder (drafter.json inside); got {spec!r}")
-        heads[name] = Path(path)
+    heads = head_dirs(args.head, ap.error)
 
     model, tok = load_target(args.model)
     checksum = model_checksum(args.model)

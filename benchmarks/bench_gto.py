@@ -68,7 +68,7 @@ def fine_tune(label: str, omega: float, args, model, tok) -> tuple[Path, dict]:
             return out, meta
     fortunes = default_settings("workloads")["fortunes"]["dir"]
     train_gto(model=model, tokenizer=tok, base_dir=args.drafter, target_checksum=model_checksum(args.model),
-              workloads_dir=args.workloads, out_dir=out, work_dir=args.work, fortunes_dir=Path(fortunes), config=drafter_cfg, seed=0)
+              workloads_dir=args.workloads, out_dir=out, fortunes_dir=Path(fortunes), config=drafter_cfg, seed=0)
     return out, json.loads(meta_path.read_text())
 
 
@@ -77,7 +77,6 @@ def main() -> int:
     res = REPO / "results" / "cpu"
     ap.add_argument("--model", type=Path, default=res / "model")
     ap.add_argument("--drafter", type=Path, default=res / "drafter", help="the train_drafter head")
-    ap.add_argument("--work", type=Path, default=res / "work" / "drafter", help="train_drafter's data cache")
     ap.add_argument("--workloads", type=Path, default=res / "workloads")
     ap.add_argument("--kernels", type=Path, default=res / "kernels" / "kernels.json", help="the device's kernel table")
     ap.add_argument("--out", type=Path, default=res / "bench_gto")

@@ -26,7 +26,7 @@ import polars as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, head_dirs, write_section  # noqa: E402
 
 
 def main() -> int:
@@ -42,12 +42,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_heads")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    heads = {}
-    for spec in args.head:
-        name, sep, path = spec.partition("=")
-        if not sep or not Path(path, "drafter.json").is_file():
-            ap.error(f"--head takes NAME=DIR with DIR a drafter folder (drafter.json inside); got {spec!r}")
-        heads[name] = Path(path)
+    heads = head_dirs(args.head, ap.error)
     if len(heads) != 2:
         ap.error("give exactly two --head NAME=DIR")
 

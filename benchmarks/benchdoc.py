@@ -17,6 +17,17 @@ def stats(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
+def head_dirs(specs: list[str], error) -> dict[str, Path]:
+    """--head NAME=DIR arguments as {name: drafter folder}; `error` (ArgumentParser.error) on a bad one."""
+    heads = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path, "drafter.json").is_file():
+            error(f"--head takes NAME=DIR with DIR a drafter folder (drafter.json inside); got {spec!r}")
+        heads[name] = Path(path)
+    return heads
+
+
 def markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 

@@ -39,7 +39,6 @@ rule train_gto:
     params:
         config=config_json(config, "drafter", "seed", "workloads", "torch_device"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
-        work_dir=f"{RESULTS}/work/drafter",
     log:
         f"{RESULTS}/logs/train_gto.log",
     benchmark:
@@ -53,7 +52,7 @@ rule train_gto:
         "../envs/torch.yaml"
     shell:
         "ogspo train-gto --config-json {params.config:q} --model {input.model} --drafter {input.drafter}"
-        " --workloads {params.workloads_dir} --out {output} --work {params.work_dir} > {log} 2>&1"
+        " --workloads {params.workloads_dir} --out {output} > {log} 2>&1"
 
 
 rule measure_drafter:

@@ -336,13 +336,12 @@ def _add_train_gto(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, type=Path, help="the train_drafter head folder (the reference head)")
     p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (train split is used)")
     p.add_argument("--out", required=True, type=Path, help="drafter folder to write")
-    p.add_argument("--work", required=True, type=Path, help="train_drafter's work folder (its cached training data)")
 
 
 def _run_train_gto(args: argparse.Namespace) -> int:
     cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
     r = run_train_gto(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads, out_dir=args.out,
-                      work_dir=args.work, fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"],
+                      fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"],
                       device=cfg["torch_device"])
     print(f"GTO: {r.steps} steps in {r.seconds:.0f} s; held-out Draft Tree Reward {r.reward_before:.3f} -> {r.reward_after:.3f}, "
           f"accepted tokens per tree {r.accepted_before:.3f} -> {r.accepted_after:.3f} -> {args.out}")

@@ -291,7 +291,7 @@ def fine_tune_gto(head: EagleHead, *, model, seqs: list[Sequence], train: np.nda
                      accepted_before=acc_before, accepted_after=acc_after, history=history)
 
 
-def train_gto(*, model, tokenizer, base_dir: Path, target_checksum: str, workloads_dir: Path, out_dir: Path, work_dir: Path,
+def train_gto(*, model, tokenizer, base_dir: Path, target_checksum: str, workloads_dir: Path, out_dir: Path,
               fortunes_dir: Path | None = None, config: dict | None = None, seed: int = 0) -> GTOResult:
     """GTO fine-tuning of the head in `base_dir` (from `train_drafter` with the same `drafter` settings)
     into the drafter folder `out_dir`. The training data comes from `train_drafter`'s data cache
