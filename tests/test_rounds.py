@@ -274,6 +274,22 @@ def test_compare_to_static_keeps_a_clear_win_and_not_a_tie():
     assert tie["ratio"] == pytest.approx(1.0) and not tie["interval"][0] > 1.0
 
 
+def test_a_sequoia_tree_outside_the_records_template_is_left_out_not_fatal(records):
+    """Sequoia may size a tree with nodes the template never drafted (seen in the quick run: [2, 2] in a
+    template of width 2 at depth 2); the keep/drop rule cannot replay it, so it leaves it out and says so."""
+    from ogspo.learn.ship import decide_shipping
+
+    rec = load_records(records)
+    outside = Structure.chain(rec.template.max_depth + 1)  # one level deeper than the template drafts
+    assert not all(p in rec.template for p in outside.paths)
+    ship = decide_shipping(records=[rec], structure=SUB, head=threshold_head("max_cum_prob", 2.0), latency=synthetic_latency(),
+                           sequoia=outside, seed=0, holdout_fraction=0.34)
+    assert "sequoia" not in ship.figures["candidates"] and ship.figures["sequoia_outside_template"] is True
+    inside = decide_shipping(records=[rec], structure=SUB, head=threshold_head("max_cum_prob", 2.0), latency=synthetic_latency(),
+                             sequoia=Structure([(0,)]), seed=0, holdout_fraction=0.34)
+    assert "sequoia" in inside.figures["candidates"] and inside.figures["sequoia_outside_template"] is False
+
+
 def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_ships(records, tmp_path):
     """A head that always stops after level 1 is S<=1 itself: it cannot beat that static tree, so the rule
     ships the best static tree instead; the rounds folder exports to a static policy folder that the

@@ -105,7 +105,10 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     the seed the head's training split used (`split_requests`)."""
     data = combine_data([offline_states(records=r, structure=structure, latency=latency) for r in records])
     cycles = combine_cycles([replay_cycles(r) for r in records])
-    cands = static_candidates(structure, sequoia)
+    # Sequoia sizes its tree from positional acceptance, so it may hold nodes the records' template never
+    # drafted; the records cannot answer such a tree, so it is left out of the candidates (and said so).
+    outside = sequoia is not None and not all(p in cycles.template for p in sequoia.paths)
+    cands = static_candidates(structure, None if outside else sequoia)
     names = list(cands)
     # the replay books an empty tree (depth 0) as autoregressive steps
     rep = replay(cycles=cycles, structures=[cands[n] for n in names], depths=np.array([cands[n].max_depth for n in names]),
@@ -118,7 +121,7 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     J_all = A.sum(1) / t.sum(1)  # [K + 1]
     best_all = names[int(np.argmax(J_all[1:]))]
     figs: dict = {"candidates": {n: cands[n].to_list() for n in names}, "J_all": dict(zip(["policy", *names], J_all.tolist())),
-                  "margin": margin, "n_holdout_cycles": int(len(ho))}
+                  "margin": margin, "n_holdout_cycles": int(len(ho)), "sequoia_outside_template": outside}
     if len(ho) == 0:
         return ShipDecision(False, cands[best_all], best_all, "no held-out record requests to test the policy on", figs,
                             per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=False))
