@@ -17,7 +17,9 @@ for minutes (`llamacpp.build_llama_cpp`, cached under ~/.cache/ogspo/peers).
    slot the methods run in a mirrored seeded order (`stages.evaluate.slot_order`); every slot is
    repeated. Complete-request throughput (prompt + decode, each program's own clock), paired ratios
    with 95% bootstrap intervals (`stages.compare`), and at T=0 whether llama.cpp's tokens equal
-   ogspo's AR tokens and where they first diverge.
+   ogspo's AR tokens and where they first diverge. "EOS ignored" differs in one respect: llama.cpp's
+   `ignore_eos` bans end-of-generation tokens, while ogspo (evaluate's equal-work rule) generates
+   through them, so where greedy decoding picks EOS the two texts part there (counted apart).
 
 "ogspo best" is, per workload, the fastest speculative method of the DAG's own evaluation at T=0
 (results/cpu/evaluate/summary.json): picked before this run, not on its timings.
@@ -176,7 +178,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     df.write_parquet(out / "requests.parquet")
 
-    section, figures = render(df, bench, best, args=args, bin_dir=bin_dir, files=files, seconds=seconds)
+    section, figures = render(df, bench, best, special=set(tok.all_special_ids), args=args, bin_dir=bin_dir, files=files,
+                              seconds=seconds)
     (out / "peers.json").write_text(json.dumps(figures, indent=1))
     print(section)
     if args.write:
@@ -190,7 +193,8 @@ RATIOS = (  # (method, baseline): the goal, the moonshot, and what else a reader
 )
 
 
-def render(df: pl.DataFrame, bench, best: dict, *, args, bin_dir: Path, files: dict, seconds: float) -> tuple[str, dict]:
+def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_dir: Path, files: dict,
+           seconds: float) -> tuple[str, dict]:
     methods = list(dict.fromkeys(df["method"].to_list()))
     workloads = list(dict.fromkeys(df["workload"].to_list()))
     med = {(m, w): statistics.median(df.filter((pl.col("method") == m) & (pl.col("workload") == w))["throughput"].to_list())
@@ -202,9 +206,14 @@ def render(df: pl.DataFrame, bench, best: dict, *, args, bin_dir: Path, files: d
     ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == "ogspo-ar").iter_rows(named=True)}
     same = {}
     for m in (m for m in methods if m.startswith("llama.cpp")):
-        div = [first_divergence(r["tokens"], ref[(r["workload"], r["prompt_id"], r["repeat"])])
-               for r in df.filter(pl.col("method") == m).iter_rows(named=True)]
-        same[m] = {"equal": sum(d == -1 for d in div), "n": len(div), "first_divergence": sorted(d for d in div if d >= 0)}
+        div = []
+        for r in df.filter(pl.col("method") == m).iter_rows(named=True):
+            mine = ref[(r["workload"], r["prompt_id"], r["repeat"])]
+            d = first_divergence(r["tokens"], mine)
+            div.append((d, d >= 0 and mine[d] in special))
+        same[m] = {"equal": sum(d == -1 for d, _ in div), "n": len(div),
+                   "first_divergence": sorted(d for d, _ in div if d >= 0),
+                   "at_special_token": sum(s for _, s in div)}
     info = build_info(bin_dir)
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])
     n_req = df.filter(pl.col("method") == "ogspo-ar").height
@@ -239,7 +248,9 @@ def render(df: pl.DataFrame, bench, best: dict, *, args, bin_dir: Path, files: d
         lines.append(f"| {name} | {r['pooled'].text()} | " + " | ".join(cells) + " |")
     lines += ["", "T=0 tokens against ogspo's AR (f32), per request: equal, or the first index where they differ:", ""]
     for m, s in same.items():
-        lines.append(f"- {m}: {s['equal']}/{s['n']} equal; first divergence at {s['first_divergence'] or 'none'}")
+        lines.append(f"- {m}: {s['equal']}/{s['n']} equal; first divergence at {s['first_divergence'] or 'none'}"
+                     f" ({s['at_special_token']} of them where ogspo's greedy token is a special token such as EOS, "
+                     "which llama.cpp's ignore_eos bans and ogspo generates through)")
     look = df.filter(pl.col("method") == "llama.cpp-lookup-f32")
     if look.height and look["drafted"].sum() > 0:
         lines.append(f"- llama.cpp lookup drafted {look['drafted'].sum()} tokens over {look.height} requests and "

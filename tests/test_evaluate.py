@@ -357,3 +357,16 @@ def test_report_refuses_a_bad_requests_table(tmp_path):
         rc = main(["report", "--evaluate-summary", str(tmp_path / "summary.json"), "--requests",
                    str(tmp_path / "requests.parquet"), "--out", str(tmp_path / "report")])
     assert rc == 2 and err.getvalue().count("\n") == 1 and "missing columns temperature, method" in err.getvalue()
+
+
+def test_records_figures_leave_out_a_sequoia_tree_outside_the_template():
+    """sequoia.json's replayed_throughput is None when its tree leaves the records' template (the quick
+    run met it): the records figures leave the static tree out, and the report's statements still form."""
+    from ogspo.stages.report import records_figures
+
+    rounds = {"T0": pl.DataFrame({"accepted": [True], "surrogate_J": [21.0]})}
+    inside = {"replayed_autoregressive": 18.0, "replayed_throughput": 20.0}
+    outside = {"replayed_autoregressive": 18.0, "replayed_throughput": None}
+    figs = records_figures(oracle={"T0": 25.0, "T1": 24.0}, sequoia={"T0": inside, "T1": outside}, rounds=rounds)
+    assert figs["T0"] == {"oracle": 25.0, "ar": 18.0, "static": 20.0, "policy": 21.0}
+    assert figs["T1"] == {"oracle": 24.0, "ar": 18.0}
