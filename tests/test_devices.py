@@ -18,7 +18,7 @@ from engine_helpers import make_head, tiny_model
 from torch.overrides import TorchFunctionMode
 
 import ogspo
-from ogspo.drafter.data import annotate, generate_annotated, generate_batched
+from ogspo.drafter.data import annotate_text, generate_annotated, generate_batched
 from ogspo.drafter.runtime import EagleDrafter
 from ogspo.drafter.train import make_batch, ttt_loss
 from ogspo.engine.decode import SpeculativeEngine
@@ -132,7 +132,7 @@ def test_drafter_training_creates_every_tensor_on_the_configured_device():
     with explicit_devices_only():
         seqs = generate_batched(lm, prompts, max_new_tokens=5, batch=2, top_k=4, eos_token_id=None, temperature=1.0, seed=1)
         seqs += generate_annotated(lm, prompts, max_new_tokens=5, pack=2, top_k=4, eos_token_id=None)
-        seqs += annotate(model, [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], feature_layers=(0, 1, 2), top_k=4, batch_tokens=64)
+        seqs += annotate_text(lm, [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], top_k=4, rows=4)
         windows = np.array([[i, 0] for i in range(len(seqs))])
         batch = make_batch(seqs, windows, t2d, 16, torch.device("cpu"))
         loss, _, _ = ttt_loss(head.train(), batch, 2, 0.7)

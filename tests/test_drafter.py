@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from engine_helpers import hf_greedy, make_head, tiny_model
+from engine_helpers import hf_annotate, hf_greedy, make_head, tiny_model
 from safetensors.torch import save_file
 
+from ogspo.drafter.head import EagleHead
 from ogspo.drafter.runtime import META, WEIGHTS, EagleDrafter, load_head
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
@@ -87,14 +88,14 @@ def test_a_retrained_head_in_the_same_folder_is_another_drafter(tmp_path):
 def test_packed_generation_equals_greedy_and_teacher_forcing():
     """Packed continuations (several prompts in one cache, a forest mask) equal transformers' greedy
     decoding, and their features / distributions equal a teacher-forced pass over the result."""
-    from ogspo.drafter.data import annotate, generate_annotated, pack_prompts
+    from ogspo.drafter.data import generate_annotated, pack_prompts
 
     model = tiny_model(3, vocab=64, layers=3)  # features of layers 0 and 1 (HF's last hidden state is normed)
     prompts = [[1, 2, 3], [5, 9, 9, 4, 2, 7], [8], [3, 3, 3, 3]]
     lm = build_tree_lm(model, max_len=40, feature_layers=(0, 1))
     packed = generate_annotated(lm, prompts, max_new_tokens=7, pack=3, top_k=4, eos_token_id=None)
     assert len(pack_prompts([len(p) for p in prompts], max_new_tokens=7, pack=3, max_rows=40)) == 2
-    forced = annotate(model, [s.tokens.tolist() for s in packed], feature_layers=(0, 1), top_k=4, batch_tokens=64)
+    forced = hf_annotate(model, [s.tokens.tolist() for s in packed], (0, 1), top_k=4)
     for p, s, f in zip(prompts, packed, forced):
         ref = hf_greedy(model, p, 7)  # 7 new tokens: the last one is never fed back
         assert s.tokens.tolist() == p + ref[:6]
@@ -106,13 +107,13 @@ def test_packed_generation_equals_greedy_and_teacher_forcing():
 def test_batched_generation_equals_greedy_and_teacher_forcing():
     """Batched continuations (left-padded rows, one forward per step) equal transformers' greedy
     decoding and a teacher-forced pass; an EOS ends a row before it; sampling is seeded."""
-    from ogspo.drafter.data import annotate, generate_batched
+    from ogspo.drafter.data import generate_batched
 
     model = tiny_model(3, vocab=64, layers=3)
     prompts = [[1, 2, 3], [5, 9, 9, 4, 2, 7], [8], [3, 3, 3, 3], [6, 1]]
     lm = build_tree_lm(model, max_len=40, feature_layers=(0, 1))
     out = generate_batched(lm, prompts, max_new_tokens=7, batch=3, top_k=4, eos_token_id=None)
-    forced = annotate(model, [s.tokens.tolist() for s in out], feature_layers=(0, 1), top_k=4, batch_tokens=64)
+    forced = hf_annotate(model, [s.tokens.tolist() for s in out], (0, 1), top_k=4)
     for p, s, f in zip(prompts, out, forced):
         ref = hf_greedy(model, p, 7)
         assert s.tokens.tolist() == p + ref[:6]
@@ -247,7 +248,8 @@ def test_self_written_requests_and_the_data_cache(tmp_path, smollm2_dir):
                  ).write_parquet(wl / "text.parquet")
     cfg = settings("drafter", {"self_instruct": 3, "instruct_max_tokens": 16, "max_new_tokens": 5, "sampled": 1,
                                "extra_fortunes": 0, "extra_functions": 0, "stdlib_tokens": 40, "seq_len": 32,
-                               "gen_batch": 4, "gen_rows": 64, "cache_dir": str(tmp_path / "cache")})
+                               "gen_batch": 4, "gen_rows": 64, "cache_dir": str(tmp_path / "cache"),
+                               "sharegpt": {"texts": 0, "answered": 0}})
     cfg.pop("gto")
     head_cfg = HeadConfig.for_target(model, draft_vocab=512)
     kw = dict(model=model, tokenizer=tok, target_checksum="abc", workloads_dir=wl, fortunes_dir=None, cfg=cfg,
@@ -256,6 +258,52 @@ def test_self_written_requests_and_the_data_cache(tmp_path, smollm2_dir):
     n = stats.prompts["text/train"] + stats.prompts.get("self-instruct", 0)
     assert stats.prompts["text/train"] == 1 and stats.self_instructions == 3 and not stats.cached
     assert stats.generated_tokens == 2 * n * 4  # greedy and sampled, 5 new tokens each, the last never fed back
-    assert stats.tokens_per_second > 0 and sum(s.feats is not None for s in seqs) == len(seqs)
+    assert stats.generation_tokens_per_second > 0 and stats.annotation_tokens_per_second > 0
+    assert sum(s.feats is not None for s in seqs) == len(seqs)
     again, stats2 = build_data(**kw)
     assert stats2.cached and [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in seqs]
+
+
+def test_the_head_layer_is_eagle3s_midlayer():
+    """The head's layer computes EAGLE-3's decoder layer (SafeAILab/EAGLE cnets.py): q/k/v over
+    cat(input_layernorm(embedding), hidden_norm(h)) with h = fc(features) as the residual stream, then
+    post_attention_layernorm and the MLP; written out here op by op from the weights."""
+    import torch.nn.functional as F
+
+    from ogspo.drafter.head import rms_norm, rotate_half
+
+    model = tiny_model(5, vocab=64, layers=4).float()
+    head = make_head(model).float()
+    c = head.cfg
+    D, T = c.hidden, 7
+    assert head.q.weight.shape == (c.n_heads * c.head_dim, 2 * D) and head.k.weight.shape == (c.kv_heads * c.head_dim, 2 * D)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, T, 3 * D, generator=g)
+    tokens = torch.randint(0, 64, (1, T), generator=g)
+    out = head.forward_train(feats, tokens, 1, logits=False)[0][0]  # [T, D]
+
+    h = feats[0] @ head.fc.weight.T  # [T, D]
+    x = torch.cat([rms_norm(model.model.embed_tokens.weight[tokens[0]], head.input_layernorm, c.eps),
+                   rms_norm(h, head.hidden_norm, c.eps)], -1)  # [T, 2D]
+    cos, sin = head.rope(torch.arange(T), torch.float32)  # [T, hd]
+    split = lambda y, n: y.view(T, n, c.head_dim).transpose(0, 1)  # [n, T, hd]
+    q, k, v = split(x @ head.q.weight.T, c.n_heads), split(x @ head.k.weight.T, c.kv_heads), split(x @ head.v.weight.T, c.kv_heads)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    rep = c.n_heads // c.kv_heads
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = (q @ k.transpose(1, 2)) / c.head_dim ** 0.5 + torch.full((T, T), float("-inf")).triu(1)  # causal
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, -1)  # [T, H * hd]
+    h = h + attn @ head.o.weight.T
+    y = rms_norm(h, head.post_attention_layernorm, c.eps)
+    ref = h + (F.silu(y @ head.gate.weight.T) * (y @ head.up.weight.T)) @ head.down.weight.T
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_lm_head_rows_train_only_when_asked():
+    model = tiny_model(5, vocab=64, layers=4).float()
+    head = make_head(model)
+    frozen = EagleHead(head.cfg, embed=head.embed, lm_rows=head.lm_rows, d2t=head.d2t)
+    trained = EagleHead(head.cfg, embed=head.embed, lm_rows=head.lm_rows, d2t=head.d2t, train_lm_head=True)
+    assert "lm_rows" not in dict(frozen.named_parameters()) and "lm_rows" in dict(trained.named_parameters())
+    assert frozen.state_dict().keys() == trained.state_dict().keys()  # one folder format for both
+    frozen.load_state_dict(trained.state_dict(), strict=True)

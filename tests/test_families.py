@@ -119,7 +119,7 @@ def test_the_draft_head_trains_and_drafts_losslessly_for_every_family(family):
     """The EAGLE-3 head sized for the family's target (feature layers from its depth), warm-started
     where its layer is Llama's math, learns the target's next-next token on the target's own
     features, then drafts losslessly through the engine."""
-    from ogspo.drafter.data import annotate
+    from ogspo.drafter.data import annotate_text
     from ogspo.drafter.head import EagleHead, HeadConfig, feature_layers_for_depth
     from ogspo.drafter.runtime import EagleDrafter
 
@@ -130,7 +130,7 @@ def test_the_draft_head_trains_and_drafts_losslessly_for_every_family(family):
     head = EagleHead(cfg, embed=model.model.embed_tokens.weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t)
     head.init_from_target(model)
     seqs = [list(range(3 + i, 40 + i)) for i in range(4)]
-    data = annotate(model, seqs, feature_layers=cfg.feature_layers, top_k=1, batch_tokens=256)
+    data = annotate_text(build_tree_lm(model, max_len=64, feature_layers=cfg.feature_layers), seqs, top_k=1, rows=16)
     feats = torch.stack([s.feats.float() for s in data])[:, :-1]  # [B, T, 3D]
     nxt = torch.stack([s.tokens.long() for s in data])[:, 1:]  # [B, T] token t+1
     goal = torch.stack([s.top_ids[:, 0].long() for s in data])[:, 1:]  # target's prediction of token t+2
@@ -152,3 +152,23 @@ def test_the_draft_head_trains_and_drafts_losslessly_for_every_family(family):
         target = build_tree_lm(model, max_len=128, feature_layers=drafter.feature_layers)
         res = SpeculativeEngine(target=target, policy=policy, drafter=drafter).generate(prompt, max_new_tokens=24)
         assert res.tokens == ref, f"{family}/{policy.name}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_gets_a_head_data_recipe_it_can_run(family):
+    """The default recipe (sampled answers, self-written requests) runs where the Llama backend's
+    batched forward does; a family on the transformers backend gets greedy answers and text, said in
+    `skipped`, instead of an error (`make gemma3-quick` stopped in train_drafter on this)."""
+    from ogspo.artifacts.settings import settings
+    from ogspo.drafter.train import recipe_for_target
+
+    cfg = settings("drafter", {"sampled": 1, "self_instruct": 4})
+    config = FAMILIES[family][1]()
+    runs, skipped = recipe_for_target(cfg, config)
+    if fast_path_refusal(config) is None:
+        assert runs == cfg and skipped == []
+    else:
+        assert runs["sampled"] == runs["self_instruct"] == 0 and len(skipped) == 1 and config.model_type in skipped[0]
+        assert {k: v for k, v in runs.items() if k not in ("sampled", "self_instruct")} == \
+            {k: v for k, v in cfg.items() if k not in ("sampled", "self_instruct")}
+    assert any(fast_path_refusal(FAMILIES[f][1]()) is not None for f in FAMILIES)  # the fallback is exercised

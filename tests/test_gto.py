@@ -57,7 +57,7 @@ def test_group_advantages_and_clipped_loss_match_a_worked_example():
 
 from engine_helpers import make_head, tiny_model  # noqa: E402
 
-from ogspo.drafter.data import annotate  # noqa: E402
+from ogspo.drafter.data import annotate_text  # noqa: E402
 from ogspo.drafter.head import EagleHead  # noqa: E402
 from ogspo.drafter.runtime import EagleDrafter  # noqa: E402
 from ogspo.drafter.train import chunk_index, make_batch, target_to_draft, ttt_loss  # noqa: E402
@@ -73,7 +73,8 @@ def _gto_setup(seed=0):
     head = make_head(target, seed=seed)
     g = torch.Generator().manual_seed(seed)
     texts = [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(4)]
-    seqs = annotate(target, texts, feature_layers=head.cfg.feature_layers, top_k=4, batch_tokens=256)
+    lm = build_tree_lm(target, max_len=256, feature_layers=head.cfg.feature_layers)
+    seqs = annotate_text(lm, texts, top_k=4, rows=16)
     lm = build_tree_lm(target, max_len=256)
     scorer = GroupScorer(lm, DynamicTree(total_tokens=10, depth=3, top_k=3), GTO_CFG["context"], GTO_CFG["eta"])
     return target, head, seqs, scorer

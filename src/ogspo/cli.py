@@ -318,13 +318,15 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
     p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (train split is used)")
     p.add_argument("--out", required=True, type=Path, help="drafter folder to write")
-    p.add_argument("--work", required=True, type=Path, help="folder for cached data and checkpoints (resume)")
+    p.add_argument("--work", required=True, type=Path, help="folder for checkpoints (resume)")
+    _add_kernels(p)
 
 
 def _run_train_drafter(args: argparse.Namespace) -> int:
     cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
     r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
-                          fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
+                          fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"],
+                          kernels_path=args.kernels)
     print(f"trained {r.steps} steps on {r.train_tokens} tokens (data {r.data_seconds:.0f} s, training {r.train_seconds:.0f} s); "
           f"held-out top-1 by TTT step {[round(a, 3) for a in r.val_top1]} -> {r.path}")
     return 0

@@ -231,3 +231,12 @@ def find_package_dir(distribution: str) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def render_conversation(tokenizer, turns) -> str:
+    """A whole conversation, `turns` = [(role, text), ...] with roles user/assistant, through the model's
+    chat template as it would have been written: every turn closed, no generation prompt (head training
+    data read as text). Same refusal as `render_chat` for a model without a template."""
+    if not has_chat_template(tokenizer):
+        render_chat(tokenizer, "")  # raises the one line
+    return tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=False)

@@ -40,5 +40,6 @@ def settings(section: str, given: Mapping | None) -> dict:
     unknown = sorted(set(part) - set(cfg))
     if unknown:
         raise ValueError(f"unknown {section} settings {unknown}; allowed: {', '.join(sorted(cfg))}")
-    cfg.update(part)
+    for k, v in part.items():  # a nested section (drafter.sharegpt) given in part keeps its other defaults
+        cfg[k] = {**cfg[k], **v} if isinstance(cfg[k], dict) and isinstance(v, Mapping) else v
     return cfg

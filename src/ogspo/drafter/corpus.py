@@ -33,10 +33,12 @@ def words(text: str) -> list[str]:
 
 
 def ngram_set(text: str, n: int) -> frozenset:
+    """The text's word n-grams, each kept as its hash (the index holds whole conversations: ints, not
+    tuples of strings; a hash is stable within the process, which is all an index needs)."""
     w = words(text)
     if len(w) < n:
-        return frozenset({tuple(w)}) if w else frozenset()
-    return frozenset(tuple(w[i : i + n]) for i in range(len(w) - n + 1))
+        return frozenset({hash(tuple(w))}) if w else frozenset()
+    return frozenset(hash(tuple(w[i : i + n])) for i in range(len(w) - n + 1))
 
 
 class NearDuplicateIndex:
@@ -45,7 +47,7 @@ class NearDuplicateIndex:
     def __init__(self, texts: list[str] = (), *, n: int = 5, threshold: float = 0.5):
         self.n, self.threshold = n, threshold
         self.sets: list[frozenset] = []
-        self.by_gram: dict[tuple, list[int]] = {}
+        self.by_gram: dict[int, list[int]] = {}
         for t in texts:
             self.add(t)
 

@@ -1,7 +1,8 @@
-"""Training data for the draft head: token sequences from the `train` split of the workloads (and
-chat variants of them), the target's own greedy continuations, and Python standard-library
-source; then, per sequence, the target's features (low/mid/high hidden states) and top-K
-next-token distributions from teacher-forced prefill passes. Eval prompts are never used."""
+"""Training data for the draft head: the target's own continuations of prompts (the `train` split of
+the workloads, ShareGPT user turns, requests it writes itself, corpora), and text read as it stands
+(ShareGPT conversations through the chat template, Python standard-library source); per position
+the target's features (low/mid/high hidden states) and top-K next-token distribution, from the
+generation passes or from teacher-forced passes over the text. Eval and calib prompts are never used."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from ogspo.artifacts.prompts import adds_bos, has_chat_template, read_fortunes, render_chat, render_raw
+from ogspo.artifacts.prompts import adds_bos, has_chat_template, read_fortunes, render_chat, render_conversation, render_raw
+from ogspo.artifacts.sharegpt import Conversation
 from ogspo.engine.target import TreeLM
 
 from .corpus import NearDuplicateIndex, TrainText, clean_request, user_turn_prefix
@@ -339,38 +341,66 @@ def generate_batched(
 
 
 @torch.inference_mode()
-def annotate(model, seqs: list[list[int]], *, feature_layers: tuple[int, ...], top_k: int, batch_tokens: int) -> list[Sequence]:
-    """Teacher-forced target passes: features and top-K next-token distributions per position."""
-    order = np.argsort([len(s) for s in seqs], kind="stable")[::-1]
-    out: list[Sequence | None] = [None] * len(seqs)
-    i = 0
+def annotate_text(lm: TreeLM, seqs: list[list[int]], *, top_k: int, rows: int) -> list[Sequence]:
+    """Teacher-forced passes of the engine's target over whole texts (the device's kernels, any family
+    the engine runs): features and top-K next-token distributions at every position, the same numbers
+    a decode of that text computes. A text runs as causal chunks of `rows` new rows over its own
+    committed rows; `lm.cache` must hold the longest text."""
+    out: list[Sequence] = []
+    dev = lm.device
     bar = tqdm(total=sum(len(s) for s in seqs), desc="target features", unit="tok")
-    while i < len(order):
-        width = len(seqs[order[i]])
-        n = max(1, batch_tokens // width)
-        idx = order[i : i + n]
-        ids = torch.zeros((len(idx), width), dtype=torch.long, device=model.device)
-        att = torch.zeros((len(idx), width), dtype=torch.long, device=model.device)
-        for r, j in enumerate(idx):
-            ids[r, : len(seqs[j])] = torch.tensor(seqs[j], device=model.device)
-            att[r, : len(seqs[j])] = 1
-        res = model(input_ids=ids, attention_mask=att, output_hidden_states=True)  # logits through the model's own head
-        feats = torch.cat([res.hidden_states[layer + 1] for layer in feature_layers], -1)  # [b, w, 3D]
-        logits = res.logits  # [b, w, V]
-        top_logits, top_ids = logits.topk(top_k, dim=-1)
-        top_probs = (top_logits - torch.logsumexp(logits, -1, keepdim=True)).exp()  # [b, w, K]
-        for r, j in enumerate(idx):
-            n_j = len(seqs[j])
-            out[j] = Sequence(
-                tokens=torch.tensor(seqs[j], dtype=torch.int32, device="cpu"),
-                feats=store_features(feats[r, :n_j]).clone(),
-                top_ids=top_ids[r, :n_j].to(torch.int32).cpu().clone(),
-                top_p=top_probs[r, :n_j].to(torch.float16).cpu().clone(),
-            )
-        bar.update(sum(len(seqs[j]) for j in idx))
-        i += len(idx)
+    for seq in seqs:
+        lm.cache.reset()
+        feats, ids, probs = [], [], []
+        for a in range(0, len(seq), rows):
+            chunk = seq[a : a + rows]
+            m = len(chunk)
+            fwd = lm.forward(torch.tensor(chunk, device=dev), torch.arange(a, a + m, device=dev), None)  # causal
+            lm.cache.commit_prefix(m)
+            feats.append(store_features(fwd.features))  # [m, F]
+            i, p = _top(fwd.logits, top_k)  # [m, K]
+            ids.append(i)
+            probs.append(p)
+        out.append(Sequence(tokens=torch.tensor(seq, dtype=torch.int32, device="cpu"), feats=join_features(feats),
+                            top_ids=torch.cat(ids), top_p=torch.cat(probs)))
+        bar.update(len(seq))
     bar.close()
-    return out  # type: ignore[return-value]
+    lm.cache.reset()
+    return out
+
+
+def sharegpt_texts(conversations: list[Conversation], tokenizer, *, n_text: int, n_answer: int, max_prompt_tokens: int,
+                   held_out: list[str], seed: int) -> tuple[list[TrainText], list[TrainText], dict]:
+    """A seeded sample of ShareGPT: `n_text` whole conversations through the chat template (user and
+    assistant turns, read as text) and the first user turns of `n_answer` other conversations (chat
+    requests of at most `max_prompt_tokens` tokens, for the target to answer). No text near an eval or
+    calib prompt (`held_out`, word 5-gram containment as `corpus.decontaminate`), nor near an earlier
+    pick. Returns (texts, requests, counts of what was dropped)."""
+    held, seen = NearDuplicateIndex(held_out), NearDuplicateIndex()
+    texts: list[TrainText] = []
+    requests: list[TrainText] = []
+    dropped = {"near_held_out": 0, "repeats": 0, "long_request": 0}
+    for i in np.random.default_rng(seed).permutation(len(conversations)):
+        if len(texts) >= n_text and len(requests) >= n_answer:
+            break
+        conv = conversations[i]
+        whole = len(texts) < n_text
+        text = "\n\n".join(t for _, t in conv.turns) if whole else conv.turns[0][1]
+        if not whole and len(tokenizer(text, add_special_tokens=False).input_ids) > max_prompt_tokens:
+            dropped["long_request"] += 1
+            continue
+        if held.near(text):
+            dropped["near_held_out"] += 1
+            continue
+        if seen.near(text):
+            dropped["repeats"] += 1
+            continue
+        seen.add(text)
+        if whole:
+            texts.append(TrainText("sharegpt/text", text, render_conversation(tokenizer, conv.turns)))
+        else:
+            requests.append(TrainText("sharegpt/answer", text, render_chat(tokenizer, text)))
+    return texts, requests, dropped
 
 
 def draft_vocabulary(seqs: list[Sequence], *, size: int, vocab: int, always: list[int]) -> torch.Tensor:

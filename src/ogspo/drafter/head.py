@@ -1,11 +1,15 @@
-"""The EAGLE-3-style draft head.
+"""The EAGLE-3 draft head.
 
-One Llama decoder layer, sized like the target's layers (any family the engine runs), over a fusion of
-- the target's hidden states at a low, a mid and a high layer (`fc`: 3D -> D), or, one step deeper
-  into a draft, the head's own output at the parent node, and
-- the (frozen, shared) target embedding of the next token,
-then a final RMSNorm and a reduced LM head: the frozen target LM-head rows of the `draft_vocab`
-most frequent tokens, with `d2t` mapping draft ids back to target ids.
+One decoder layer as EAGLE-3 defines it (SafeAILab/EAGLE `cnets.py`, SGLang `llama_eagle3.py`), sized
+like the target's layers (any family the engine runs):
+- `fc` (3D -> D) reads the target's hidden states at a low, a mid and a high layer; one step deeper into
+  a draft, the head's own layer output at the parent node takes its place. That D-wide vector `h` is
+  the layer's residual stream.
+- q/k/v read `cat(input_layernorm(embedding of the next token), hidden_norm(h))` (2D wide); the
+  attention output is added to `h`, then `post_attention_layernorm` and the MLP, as in Llama.
+- a final RMSNorm and a reduced LM head: the frozen target LM-head rows of the `draft_vocab` most
+  frequent tokens (or those rows trained further, `drafter.train_lm_head`), with `d2t` mapping draft
+  ids back to target ids. The embedding is the target's, frozen and shared.
 
 Input at position t is (feature of position t, token t+1); the output predicts token t+2.
 Training-time test (TTT): step j > 1 feeds the head its own step-(j-1) output at t-1 as the feature,
@@ -104,23 +108,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, cfg: HeadConfig, *, embed: torch.Tensor, lm_rows: torch.Tensor, d2t: torch.Tensor):
+    def __init__(self, cfg: HeadConfig, *, embed: torch.Tensor, lm_rows: torch.Tensor, d2t: torch.Tensor,
+                 train_lm_head: bool = False):
+        """`lm_rows` [V', D]: the LM head's rows (the target's, at a fresh start); `train_lm_head` makes them a
+        trained parameter instead of a frozen buffer (the state dict names them `lm_rows` either way)."""
         super().__init__()
         self.cfg = cfg
         D, H, KV, hd = cfg.hidden, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         dev = embed.device  # the head lives where the target's embeddings live
         self.register_buffer("embed", embed.detach().clone().float(), persistent=False)  # [V, D] frozen target rows
-        self.register_buffer("lm_rows", lm_rows.detach().float().to(dev, copy=True))  # [V', D] frozen target LM-head rows
+        rows = lm_rows.detach().float().to(dev, copy=True)  # [V', D]
+        if train_lm_head:
+            self.lm_rows = nn.Parameter(rows)
+        else:
+            self.register_buffer("lm_rows", rows)
         self.register_buffer("d2t", d2t.long().to(dev))  # [V'] draft id -> target id
         self.fc = nn.Linear(3 * D, D, bias=False, device=dev)
-        self.fuse = nn.Linear(2 * D, D, bias=False, device=dev)
-        self.emb_norm = nn.Parameter(torch.ones(D, device=dev))
-        self.ln1 = nn.Parameter(torch.ones(D, device=dev))
-        self.q = nn.Linear(D, H * hd, bias=False, device=dev)
-        self.k = nn.Linear(D, KV * hd, bias=False, device=dev)
-        self.v = nn.Linear(D, KV * hd, bias=False, device=dev)
+        self.input_layernorm = nn.Parameter(torch.ones(D, device=dev))  # on the token embedding
+        self.hidden_norm = nn.Parameter(torch.ones(D, device=dev))  # on the feature h
+        self.q = nn.Linear(2 * D, H * hd, bias=False, device=dev)
+        self.k = nn.Linear(2 * D, KV * hd, bias=False, device=dev)
+        self.v = nn.Linear(2 * D, KV * hd, bias=False, device=dev)
         self.o = nn.Linear(H * hd, D, bias=False, device=dev)
-        self.ln2 = nn.Parameter(torch.ones(D, device=dev))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(D, device=dev))
         self.gate = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
         self.up = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
         self.down = nn.Linear(cfg.intermediate, D, bias=False, device=dev)
@@ -130,39 +140,40 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ building blocks
 
     def init_from_target(self, hf_model) -> None:
-        """Warm start: `fc` reads the high-layer feature, `fuse` passes the feature through (the
-        embedding path starts small) and, where the target's last layer is Llama's math
-        (`layer_projections`), the decoder layer and final norm are copied from it; another
-        family's layer (Gemma's) keeps its random start."""
+        """Warm start: `fc` passes the high-layer feature through; where the target's last layer is
+        Llama's math (`layer_projections`), the feature half of q/k/v, `hidden_norm` (the target's
+        input norm), o, the MLP and the final norm are copied from it, and the embedding half of
+        q/k/v starts small; another family's layer (Gemma's) keeps its random start."""
         D = self.cfg.hidden
         with torch.no_grad():
             w = layer_projections(hf_model, -1)
             if w is not None:
-                for mine, name in [(self.q, "q"), (self.k, "k"), (self.v, "v"), (self.o, "o"), (self.gate, "gate"),
-                                   (self.up, "up"), (self.down, "down")]:
+                for mine, name in [(self.q, "q"), (self.k, "k"), (self.v, "v")]:
+                    mine.weight[:, :D].normal_(0, 0.02)
+                    mine.weight[:, D:] = w[name].float()
+                for mine, name in [(self.o, "o"), (self.gate, "gate"), (self.up, "up"), (self.down, "down")]:
                     mine.weight.copy_(w[name].float())
-                self.ln1.copy_(w["ln1"].float())
-                self.ln2.copy_(w["ln2"].float())
+                self.hidden_norm.copy_(w["ln1"].float())
+                self.post_attention_layernorm.copy_(w["ln2"].float())
                 self.norm.copy_(hf_model.model.norm.weight.float())
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * D :] = torch.eye(D, device=self.fc.weight.device)
-            self.fuse.weight.normal_(0, 0.02)
-            self.fuse.weight[:, D:] += torch.eye(D, device=self.fuse.weight.device)
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [..., T, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, hd]
         return (emb.cos() * self.cfg.rope_scaling).to(dtype), (emb.sin() * self.cfg.rope_scaling).to(dtype)
 
-    def fused_input(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
-        e = rms_norm(F.embedding(tokens, self.embed), self.emb_norm, self.cfg.eps)  # [..., T, D]
-        return self.fuse(torch.cat([e, feat], dim=-1))  # [..., T, D]
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, D] -> q [B, H, T, hd], k, v [B, KV, T, hd] (rotary applied)."""
-        B, T, _ = x.shape
+    def layer_input(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """What q/k/v read: cat(input_layernorm(embedding of tokens [..., T]), hidden_norm(feat [..., T, D])) [..., T, 2D]."""
         c = self.cfg
-        h = rms_norm(x, self.ln1, c.eps)
+        e = rms_norm(F.embedding(tokens, self.embed), self.input_layernorm, c.eps)  # [..., T, D]
+        return torch.cat([e, rms_norm(feat, self.hidden_norm, c.eps)], dim=-1)  # [..., T, 2D]
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [B, T, 2D] (`layer_input`) -> q [B, H, T, hd], k, v [B, KV, T, hd] (rotary applied)."""
+        B, T, _ = h.shape
+        c = self.cfg
         q = self.q(h).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
         k = self.k(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
         v = self.v(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
@@ -170,10 +181,11 @@ class EagleHead(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual + attention output attn [B, H, T, hd], then the MLP. Returns the layer output [B, T, D]."""
+        """The residual stream x [B, T, D] (the feature) + attention output attn [B, H, T, hd], then the MLP.
+        Returns the layer output [B, T, D]."""
         B, _, T, _ = attn.shape
         x = x + self.o(attn.transpose(1, 2).reshape(B, T, -1))
-        h = rms_norm(x, self.ln2, self.cfg.eps)
+        h = rms_norm(x, self.post_attention_layernorm, self.cfg.eps)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -196,8 +208,7 @@ class EagleHead(nn.Module):
         for j in range(1, steps + 1):
             if j > 1:  # the parent's output at t-1 is the feature of a depth-j node at t
                 feat = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))
-            x = self.fused_input(next_tokens, feat)
-            q, k, v = self.qkv(x, cos, sin)
+            q, k, v = self.qkv(self.layer_input(next_tokens, feat), cos, sin)
             keys.append(k)
             values.append(v)
             blocks = [t[None, :] <= (t[:, None] - j + 1)]  # step-1 rows up to the root at t-j+1
@@ -208,7 +219,7 @@ class EagleHead(nn.Module):
             attn = F.scaled_dot_product_attention(
                 q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
             )  # [B, H, T, hd]
-            outs.append(self.finish(x, attn))
+            outs.append(self.finish(feat, attn))
         return [self.logits(o) for o in outs] if logits else outs
 
     # ------------------------------------------------------------------ inference
@@ -219,9 +230,9 @@ class EagleHead(nn.Module):
         tokens [m], feat [m, D], positions [m]; keys/values [1, KV, max_len, hd]; mask [m, start+m] bool or None.
         Returns (layer outputs [m, D], draft logits [m, V'] or None without `with_logits`)."""
         m = tokens.shape[0]
-        x = self.fused_input(tokens, feat)[None]  # [1, m, D]
+        x = feat[None]  # [1, m, D] the residual stream
         cos, sin = self.rope(positions[None], x.dtype)
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(self.layer_input(tokens, feat)[None], cos, sin)
         keys[:, :, start : start + m] = k
         values[:, :, start : start + m] = v
         attn = F.scaled_dot_product_attention(

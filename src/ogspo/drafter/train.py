@@ -28,17 +28,23 @@ from tqdm.auto import tqdm
 from ogspo.artifacts.io import atomic_write
 from ogspo.artifacts.prompts import render_chat
 from ogspo.artifacts.settings import settings
-from ogspo.engine.target import LlamaTreeLM, build_tree_lm
+from ogspo.artifacts.sharegpt import read_sharegpt
+from ogspo.engine.kernels import KernelTable
+from ogspo.engine.native import cache_root
+from ogspo.engine.target import LlamaTreeLM, build_tree_lm, fast_path_refusal
+
+from ogspo.artifacts.prompts import has_chat_template
 
 from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
 from .data import (
     Sequence,
-    annotate,
+    annotate_text,
     corpus_prompts,
     draft_vocabulary,
     generate_annotated,
     generate_batched,
     self_instructions,
+    sharegpt_texts,
     stdlib_sequences,
     train_prompts,
 )
@@ -67,26 +73,31 @@ def _atomic_torch_save(obj, path: Path) -> None:
 
 
 def data_cache_dir(cfg: dict) -> Path:
-    """Where the generated training data is kept between runs: `drafter.cache_dir`, else
-    $OGSPO_CACHE_DIR, else the user's cache ($XDG_CACHE_HOME or ~/.cache)/ogspo; a file there is
-    named by the hash of everything it was built from (target checksum, recipe, prompt ids)."""
-    root = cfg.get("cache_dir") or os.environ.get("OGSPO_CACHE_DIR") or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ogspo"
-    return Path(root) / "drafter-data"
+    """Where the generated training data is kept between runs: `drafter.cache_dir`, else `drafter-data`
+    in ogspo's one user cache ($OGSPO_CACHE, else $XDG_CACHE_HOME/ogspo or ~/.cache/ogspo); a file there
+    is named by the hash of everything it was built from (target checksum, recipe, token ids)."""
+    return Path(cfg["cache_dir"]) if cfg.get("cache_dir") else cache_root() / "drafter-data"
 
 
 @dataclass
 class DataStats:
-    """How the training data was built: prompts by source, what decontamination dropped, and the
-    generation rate of this device (tokens the target processed per second; 0 on a cache hit)."""
+    """How the training data was built: prompts and texts by source, what decontamination dropped,
+    and this device's rates (0 where the cache had it): tokens the target wrote per second
+    (generation) and tokens it read per second (annotation of text, `annotate_rows` rows a forward)."""
     prompts: dict[str, int]
     near_held_out: int  # prompts dropped as near-duplicates of an eval or calib prompt
     repeats: int  # prompts dropped as near-duplicates of an earlier training prompt
     self_instructions: int  # requests the target wrote itself (before decontamination)
     generated_tokens: int  # continuation tokens the target wrote
-    tokens: int  # all training tokens (prompts, continuations, annotated source)
+    annotated_tokens: int  # tokens of text read as it stands (ShareGPT conversations, standard library)
+    tokens: int  # all training tokens (prompts, continuations, annotated text)
     generation_seconds: float
-    tokens_per_second: float
+    generation_tokens_per_second: float
+    annotation_seconds: float
+    annotation_tokens_per_second: float
+    annotate_rows: int
+    sharegpt: dict  # what the ShareGPT file held and what was picked or dropped
+    skipped: list[str]  # parts of the recipe this target cannot run, and why
     cached: bool
 
 
@@ -101,30 +112,52 @@ def _cached(path: Path, build):
     return value, False
 
 
+def recipe_for_target(cfg: dict, model_config) -> tuple[dict, list[str]]:
+    """The head-data recipe this target can run, and what was left out and why: sampled continuations
+    and self-written requests need the Llama backend's batched forward; a family on the transformers
+    backend (Gemma 3) gets greedy continuations and text only."""
+    if fast_path_refusal(model_config) is None or not (cfg["sampled"] or cfg["self_instruct"]):
+        return cfg, []
+    why = (f"sampled continuations and self-instruction: '{model_config.model_type}' runs on the transformers backend, "
+           "which has no batched forward (greedy continuations and text only)")
+    return cfg | {"sampled": 0, "self_instruct": 0}, [why]
+
+
 def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict,
-               head_cfg: HeadConfig, seed: int) -> tuple[list[Sequence], DataStats]:
+               head_cfg: HeadConfig, seed: int, kernels: KernelTable | None = None) -> tuple[list[Sequence], DataStats]:
     """The head's training sequences, annotated with the target's features and next-token
     distributions: the target's greedy (and `sampled` T=1) continuations of every training prompt
-    (workload train splits, corpora, its own requests), then standard-library source annotated
-    as text. Every prompt near an eval or calib prompt of any workload is dropped first. Built
-    once per content hash in `data_cache_dir(cfg)`."""
+    (workload train splits, ShareGPT user turns, corpora, its own requests), then text read as it
+    stands (ShareGPT conversations, standard-library source). Every prompt and text near an eval or
+    calib prompt of any workload is dropped first. Built once per content hash in `data_cache_dir(cfg)`;
+    the target runs on the engine with the device's kernel table (`kernels`)."""
     cache = data_cache_dir(cfg)
     lm = None
+    cfg, skipped = recipe_for_target(cfg, model.config)
 
     def target_lm(rows: int):
         nonlocal lm
         if lm is None or lm.cache.max_len < rows:
-            lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers)
-        if not isinstance(lm, LlamaTreeLM) and (cfg["sampled"] or cfg["self_instruct"]):
-            raise ValueError(f"drafter.sampled and drafter.self_instruct need a target with a batched forward (Llama-like), "
-                             f"not '{model.config.model_type}': set both to 0")
+            lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers, kernels=kernels)
         return lm
 
-    t0 = time.perf_counter()
     texts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
                           max_per_workload=cfg["prompts_per_workload"] or None)
     texts += corpus_prompts(workloads_dir=workloads_dir, fortunes_dir=fortunes_dir, tokenizer=tokenizer,
                             fortunes=cfg["extra_fortunes"], functions=cfg["extra_functions"], seed=seed)
+    held_out = held_out_texts(workloads_dir)
+    sg, sg_texts, sg_info = cfg["sharegpt"], [], {}
+    if sg["texts"] or sg["answered"]:
+        if not has_chat_template(tokenizer):
+            skipped.append("ShareGPT: the target has no chat template to render conversations with")
+        else:
+            read = read_sharegpt(sg["path"])
+            sg_texts, sg_requests, sg_dropped = sharegpt_texts(
+                read.conversations, tokenizer, n_text=sg["texts"], n_answer=sg["answered"],
+                max_prompt_tokens=sg["max_prompt_tokens"], held_out=held_out, seed=seed)
+            texts += sg_requests
+            sg_info = {"records": read.records, "conversations": len(read.conversations), "truncated": read.truncated,
+                       "texts": len(sg_texts), "requests": len(sg_requests), "dropped": sg_dropped}
     requests: list[str] = []
     if cfg["self_instruct"]:
         key = _hash({"v": 1, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"], "seed": seed})
@@ -132,7 +165,6 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
             target_lm(512), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"], batch=cfg["gen_batch"],
             seed=seed + 1000))
         texts += [TrainText("self-instruct", r, render_chat(tokenizer, r)) for r in requests]
-    held_out = held_out_texts(workloads_dir)
     texts, near_held, repeats = decontaminate(texts, held_out)
     prompts = [tokenizer(t.prompt, add_special_tokens=False).input_ids for t in texts]
 
@@ -151,28 +183,35 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
             data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
         return data
 
+    t0 = time.perf_counter()
     data, gen_cached = _cached(cache / f"generated-{gen_key}.pt", generate)
-    code_key = _hash({"gen": gen_key, "stdlib": cfg["stdlib_tokens"], "seq_len": cfg["seq_len"], "seed": seed,
-                      "annotate": cfg["annotate_batch_tokens"]})
+    gen_s = time.perf_counter() - t0
 
-    def annotate_code():
-        code = stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
-                                held_out=NearDuplicateIndex(held_out))
-        return annotate(model, code, feature_layers=head_cfg.feature_layers, top_k=cfg["top_k"],
-                        batch_tokens=cfg["annotate_batch_tokens"])
+    # text read as it stands: ShareGPT conversations (cut to sharegpt.max_tokens), then standard-library chunks
+    text_ids = [tokenizer(t.prompt, add_special_tokens=False).input_ids[: sg["max_tokens"]] for t in sg_texts]
+    text_ids += stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
+                                 held_out=NearDuplicateIndex(held_out))
+    rows = cfg["annotate_rows"] or (kernels.cheapest_rows(64) if kernels is not None else 512)
+    text_key = _hash({"v": 2, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"],
+                      "ids": _hash(text_ids)})
+    t0 = time.perf_counter()
+    annotated, text_cached = _cached(cache / f"text-{text_key}.pt", lambda: annotate_text(
+        target_lm(max([len(s) for s in text_ids], default=1)), text_ids, top_k=cfg["top_k"], rows=rows)) if text_ids else ([], True)
+    ann_s = time.perf_counter() - t0
 
-    code, code_cached = _cached(cache / f"stdlib-{code_key}.pt", annotate_code)
-    seconds = time.perf_counter() - t0
-    seqs = data + code
-    n_tokens = int(sum(len(s.tokens) for s in seqs))
+    seqs = data + annotated
     by_source: dict[str, int] = {}
-    for t in texts:
+    for t in texts + sg_texts:
         by_source[t.source] = by_source.get(t.source, 0) + 1
     generated = int(sum(len(s.tokens) - len(prompts[i % len(prompts)]) for i, s in enumerate(data)))
-    built = (0 if gen_cached else sum(len(s.tokens) for s in data)) + (0 if code_cached else sum(len(s.tokens) for s in code))
+    ann_tokens = int(sum(len(s.tokens) for s in annotated))
     stats = DataStats(prompts=by_source, near_held_out=near_held, repeats=repeats, self_instructions=len(requests),
-                      generated_tokens=generated, tokens=n_tokens, generation_seconds=seconds,
-                      tokens_per_second=built / seconds if built else 0.0, cached=not built)
+                      generated_tokens=generated, annotated_tokens=ann_tokens, tokens=int(sum(len(s.tokens) for s in seqs)),
+                      generation_seconds=0.0 if gen_cached else gen_s,
+                      generation_tokens_per_second=0.0 if gen_cached or not generated else generated / gen_s,
+                      annotation_seconds=0.0 if text_cached else ann_s,
+                      annotation_tokens_per_second=0.0 if text_cached or not ann_tokens else ann_tokens / ann_s,
+                      annotate_rows=rows, sharegpt=sg_info, skipped=skipped, cached=gen_cached and text_cached)
     return seqs, stats
 
 
@@ -338,6 +377,7 @@ def train_drafter(
     fortunes_dir: Path | None = None,
     config: dict | None = None,
     seed: int = 0,
+    kernels: KernelTable | None = None,
 ) -> TrainResult:
     """Build (or read from the cache) the training data, then train the head into `out_dir`."""
     cfg = settings("drafter", config)
@@ -345,7 +385,7 @@ def train_drafter(
     head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
     t0 = time.perf_counter()
     seqs, stats = build_data(model=model, tokenizer=tokenizer, target_checksum=target_checksum, workloads_dir=workloads_dir,
-                             fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed)
+                             fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, kernels=kernels)
     return train_head(model=model, tokenizer=tokenizer, target_checksum=target_checksum, seqs=seqs, cfg=cfg, seed=seed,
                       out_dir=out_dir, work_dir=work_dir, data_seconds=time.perf_counter() - t0, data_stats=asdict(stats))
 
@@ -361,7 +401,8 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
     head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
     d2t = draft_vocabulary(seqs, size=head_cfg.draft_vocab, vocab=head_cfg.vocab, always=[tokenizer.eos_token_id])
     t2d = target_to_draft(d2t, head_cfg.vocab)
-    head = EagleHead(head_cfg, embed=model.get_input_embeddings().weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t)
+    head = EagleHead(head_cfg, embed=model.get_input_embeddings().weight, lm_rows=model.lm_head.weight[d2t], d2t=d2t,
+                     train_lm_head=cfg["train_lm_head"])
     head.init_from_target(model)
 
     rng = np.random.default_rng(seed)

@@ -147,6 +147,22 @@ class KernelTable:
         table has no `layer_ops` entry)."""
         return self.lookup(LAYER_OPS, m)[0] if LAYER_OPS in self.choice else TORCH
 
+    def cheapest_rows(self, at_least: int = 1) -> int:
+        """The timed row count (>= `at_least`) whose forward costs least per row: the chosen kernels'
+        times summed over the matmul classes, divided by the rows (a teacher-forced pass over text
+        runs at this width). `at_least` itself where the table timed no such row count."""
+        best, best_cost = at_least, float("inf")
+        for i, m in enumerate(self.rows):
+            if m < at_least:
+                continue
+            try:
+                t = sum(self.timings_us[c][self.choice[c][i]][i] for c in CLASSES)
+            except (KeyError, IndexError):  # a class not timed at this row count (the LM head's largest)
+                continue
+            if t / m < best_cost:
+                best, best_cost = m, t / m
+        return best
+
     def check_shapes(self, shapes: dict[str, list[int]]) -> None:
         for cls in (*CLASSES, *([LAYER_OPS] if LAYER_OPS in self.choice else [])):
             if cls in shapes and list(self.shapes.get(cls, [])) != list(shapes[cls]):

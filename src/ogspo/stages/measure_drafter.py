@@ -4,7 +4,8 @@ Per workload and temperature, for every head (the train_drafter head and its GTO
 on `prompts_per_workload` prompts (acceptance per depth, with the cycles behind each figure), and on
 the first `speed_prompts_per_workload` of them, side by side and interleaved prompt by prompt, the
 autoregressive target and EAGLE-3 dynamic trees of several sizes (tau, bonus included, and
-complete-request throughput)."""
+complete-request throughput). And how much of the target's next-token mass each head's draft
+vocabulary holds on the greedy continuations of those prompts (a ceiling on acceptance where it is low)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import torch
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import write_text
@@ -49,6 +51,29 @@ class MeasureResult:
     prompts_per_workload: int = 0
     max_new_tokens: int = 0
     speed_prompts_per_workload: int = 0
+    # head -> workload -> {"mass": mean target probability inside the draft vocabulary, "top1": share of the
+    # target's greedy tokens inside it, "positions": positions behind both}, on the T=0 continuations
+    vocab_coverage: dict[str, dict[str, dict]] = field(default_factory=dict)
+
+
+@torch.inference_mode()
+def vocab_coverage(target, d2t: torch.Tensor, texts: list[tuple[list[int], list[int]]]) -> dict:
+    """The target's next-token mass inside the draft vocabulary `d2t` at every continuation position of
+    `texts` [(prompt, continuation)], and the share of its top-1 tokens there: one teacher-forced pass each."""
+    mass, top1, n = 0.0, 0, 0
+    dev = target.device
+    inside = torch.zeros(target.vocab_size, dtype=torch.bool, device=dev)
+    inside[d2t.to(dev)] = True
+    for prompt, cont in texts:
+        ids = prompt + cont[:-1]  # the positions that predict each continuation token
+        target.cache.reset()
+        out = target.forward(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), None)  # causal
+        target.cache.reset()
+        probs = torch.softmax(out.logits[len(prompt) - 1 :].float(), -1)  # [len(cont), vocab]
+        mass += float(probs[:, inside].sum())
+        top1 += int(inside[probs.argmax(-1)].sum())
+        n += probs.shape[0]
+    return {"mass": mass / max(n, 1), "top1": top1 / max(n, 1), "positions": n}
 
 
 def eval_prompts(workloads_dir: Path, tokenizer, n: int) -> dict[str, list[list[int]]]:
@@ -118,6 +143,7 @@ def measure_drafter(
     if n_speed:  # (0: acceptance only)
         runs += [("", Autoregressive(), None, False)] + [(label, p, d, False) for label, d in drafters.items() for p in tree_policies]
     figures = []
+    greedy: dict[str, list[tuple[list[int], list[int]]]] = {w: [] for w in prompts}  # T=0 continuations of the first chain
     total = len(temperatures) * sum(len(v) for v in prompts.values())
     bar = tqdm(total=total, desc="measure drafter", unit="prompt")
     for temp in temperatures:
@@ -132,6 +158,8 @@ def measure_drafter(
                     if not every and i >= n_speed:
                         continue
                     res = eng.generate(prompt, max_new_tokens=max_new_tokens, seed=seed + i)
+                    if temp == 0 and eng is engines[0]:
+                        greedy[workload].append((list(prompt), list(res.tokens)))
                     a["tps"].append(res.throughput)
                     a["cycles"].extend(c.accepted for c in res.cycles)
                     a["tokens"] += len(res.tokens)
@@ -155,17 +183,19 @@ def measure_drafter(
                     tokens=int(a["tokens"]), accept_by_depth=by_depth, depth_trials=trials, prompts=a["prompts"],
                 ))
     bar.close()
+    coverage = {label: {w: vocab_coverage(target, d.head.d2t, texts) for w, texts in greedy.items() if texts}
+                for label, d in drafters.items()}
     first = next(iter(prompts.values()))[0]
     expand_ms = time_expand(first_drafter, first, target) if n_speed else {}
     return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
                          prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,
-                         speed_prompts_per_workload=n_speed)
+                         speed_prompts_per_workload=n_speed, vocab_coverage=coverage)
 
 
 def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
     data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
             "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens,
-            "speed_prompts_per_workload": result.speed_prompts_per_workload}
+            "speed_prompts_per_workload": result.speed_prompts_per_workload, "vocab_coverage": result.vocab_coverage}
     write_text(out_json, json.dumps(data, indent=1))
     write_text(out_md, render_markdown(result))
 
@@ -182,4 +212,8 @@ def render_markdown(result: MeasureResult) -> str:
                      f"| {f.throughput:.1f} | {f.speedup:.2f}x | {depth} |")
     lines += ["", "One head level over w frontier nodes (median ms): "
               + ", ".join(f"w={w}: {ms:.1f}" for w, ms in result.expand_ms.items()), ""]
+    for head, by_w in result.vocab_coverage.items():
+        lines.append(f"Draft vocabulary of head {head} on the T=0 continuations: " + "; ".join(
+            f"{w} {c['mass']:.3f} of the target's next-token mass, {c['top1']:.3f} of its greedy tokens ({c['positions']} positions)"
+            for w, c in by_w.items()))
     return "\n".join(lines)

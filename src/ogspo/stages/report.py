@@ -521,8 +521,11 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
         text = f"- {h}: held-out TTT top-1 {top1}"
         d = m.get("data")
         if d:
-            made = "read from the cache" if d["cached"] else f"{d['tokens_per_second']:.0f} tokens/s of data generation"
+            made = "read from the cache" if d["cached"] else (
+                f"{d['generation_tokens_per_second']:.0f} tokens/s of generation, {d['annotation_tokens_per_second']:.0f} "
+                f"tokens/s of reading text at {d['annotate_rows']} rows")
             text += (f"; {m['train_tokens']} training tokens ({d['generated_tokens']} written by the target, "
+                     f"{d['annotated_tokens']} read as text, "
                      f"{d['self_instructions']} self-written requests, {d['near_held_out']} prompts dropped as near an "
                      f"eval/calib prompt; {made}); data {m['data_seconds'] / 60:.1f} min, {m['steps']} steps "
                      f"{m['train_seconds'] / 60:.1f} min")
