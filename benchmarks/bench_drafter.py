@@ -6,7 +6,8 @@ Builds the default recipe's training data (`drafter.train.build_data`: read from
 after `make run`), trains one head per token budget on a seeded prefix of its sequences (same
 epochs, so a larger budget trains on more tokens, not longer on the same), then measures every
 head, and any `--head` given (e.g. the head of an earlier recipe), with a top-1 chain on the same
-eval prompts, interleaved prompt by prompt (`stages.measure_drafter`, acceptance only). Prints the
+eval prompts, interleaved prompt by prompt (`stages.measure_drafter`, acceptance only); `--exclude sharegpt`
+leaves a source out first (the mix without ShareGPT at the same epochs). Prints the
 table and, with --write, puts it in docs/BENCHMARKS.md.
 """
 
@@ -49,6 +50,8 @@ def main() -> int:
     ap.add_argument("--budgets", type=int, nargs="*", default=[25_000, 50_000, 100_000, 0],
                     help="training tokens of each head trained here (0 = all; none: only measure the --head heads)")
     ap.add_argument("--head", action="append", default=[], help="NAME=DIR: another trained head measured beside them")
+    ap.add_argument("--exclude", nargs="*", default=[], choices=["generated", "sharegpt", "stdlib"],
+                    help="leave the data of these sources out before the budgets are cut (a mix without ShareGPT, say)")
     ap.add_argument("--prompts", type=int, default=12, help="eval prompts per workload")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_drafter")
@@ -78,13 +81,14 @@ def main() -> int:
                              head_cfg=HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"]), seed=0, kernels=kernels) \
         if args.budgets else ([], None)
     data_s = time.perf_counter() - t0
+    seqs = [s for s in seqs if s.source not in args.exclude]
     rows = []
     for budget in args.budgets:
         subset = prefix_by_tokens(seqs, budget, seed=0)
-        label = f"{sum(len(s.tokens) for s in subset) // 1000}k"
+        label = f"{sum(len(s.tokens) for s in subset) // 1000}k" + "".join(f" w/o {x}" for x in args.exclude)
         with tempfile.TemporaryDirectory() as work:
             r = train_head(model=model, tokenizer=tok, target_checksum=checksum, seqs=subset, cfg=cfg, seed=0,
-                           out_dir=args.out / f"head-{label}", work_dir=Path(work))
+                           out_dir=args.out / f"head-{label}".replace(" ", "-"), work_dir=Path(work))
         rows.append((label, r))
         heads[label] = r.path
     res = measure_drafter(model_dir=args.model, drafter_dirs=heads, workloads_dir=args.workloads,

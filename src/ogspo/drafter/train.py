@@ -26,14 +26,12 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
-from ogspo.artifacts.prompts import render_chat
+from ogspo.artifacts.prompts import has_chat_template, render_chat
 from ogspo.artifacts.settings import settings
 from ogspo.artifacts.sharegpt import read_sharegpt
 from ogspo.engine.kernels import KernelTable
 from ogspo.engine.native import cache_root
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm, fast_path_refusal
-
-from ogspo.artifacts.prompts import has_chat_template
 
 from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
 from .data import (
@@ -198,6 +196,10 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     annotated, text_cached = _cached(cache / f"text-{text_key}.pt", lambda: annotate_text(
         target_lm(max([len(s) for s in text_ids], default=1)), text_ids, top_k=cfg["top_k"], rows=rows)) if text_ids else ([], True)
     ann_s = time.perf_counter() - t0
+    for s in data:
+        s.source = "generated"
+    for i, s in enumerate(annotated):
+        s.source = "sharegpt" if i < len(sg_texts) else "stdlib"
 
     seqs = data + annotated
     by_source: dict[str, int] = {}
