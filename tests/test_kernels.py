@@ -182,3 +182,101 @@ def test_a_native_kernel_within_the_margin_of_the_fastest_is_kept():
     assert K._pick(["linear", "native2"], {"linear": 100.0, "native2": 104.0}, 0.03) == "linear"
     assert K._pick(["linear", "matmul_t"], {"linear": 100.0, "matmul_t": 99.0}, 0.03) == "matmul_t"
     assert K._pick(["torch", "native2"], {"torch": 90.0, "native2": 92.0}, 0.03) == "native2"
+
+
+needs_bf16 = pytest.mark.skipif(not native.bf16_available(), reason="no native bf16 kernel here (the CPU lacks avx512_bf16)")
+
+
+@needs_bf16
+@pytest.mark.parametrize("out_features,in_features", [(100, 576), (64, 32), (33, 7)])
+def test_bf16_kernel_is_the_bf16_product_in_fp32_and_batch_invariant(out_features, in_features):
+    """bf16 rows times bf16 weights summed in fp32 (odd `in` padded), fp32 out; a row's bits do not
+    depend on how many rows share the call or on the thread count."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(30, in_features, generator=g)
+    p = native.PackedWeight(w)
+    y = p.matmul(x, 2)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, (x.bfloat16().double() @ w.double().T).float(), atol=1e-4, rtol=1e-5)
+    one = torch.cat([p.matmul(x[i : i + 1], 1) for i in range(30)])
+    assert all(torch.equal(p.matmul(x[:m], 2), one[:m]) for m in range(1, 31))
+
+
+@needs_bf16
+def test_bf16_calibration_refuses_a_kernel_that_is_not_batch_invariant(monkeypatch):
+    """A kernel whose rows change with the row count (forced in as a candidate) is refused for bf16
+    weights, so the table keeps the native kernel on every class and row count; for fp32 the same
+    kernel is only timed."""
+    apply = K.Weight.apply
+
+    def skewed(self, kernel, x):
+        if kernel != "skewed":
+            return apply(self, kernel, x)
+        y = native.PackedWeight(self.w).matmul(x, 1)
+        return y * (1 + 1e-3 * (y.shape[0] > 1))  # rows among others come out different
+
+    monkeypatch.setattr(K.Weight, "apply", skewed)
+    g = torch.Generator().manual_seed(0)
+    weights = {c: [torch.randn(48, 32, generator=g).bfloat16()] for c in K.CLASSES}
+    table = K.calibrate_kernels(weights, rows=[1, 2, 4], reps=1, candidates=("skewed", "native1"), max_seconds=5)
+    assert "not batch-invariant" in table.meta["unavailable"]["skewed"]
+    assert all(k == "native1" for ks in table.choice.values() for k in ks)
+    assert table.key["dtype"] == "bfloat16"
+    fp32 = K.calibrate_kernels({c: [w.float() for w in ws] for c, ws in weights.items()}, rows=[1, 2], reps=1,
+                               candidates=("skewed", "native1"), max_seconds=5)
+    assert "skewed" not in fp32.meta["unavailable"]
+
+
+@needs_bf16
+def test_bf16_target_tree_decoding_equals_its_own_greedy_steps():
+    """A bf16 tiny target (fp32 activations, bf16 matmuls on the native kernel, 1..32 rows): every
+    tree policy's tokens equal one-token greedy steps of the same target, token for token."""
+    from ogspo.engine.policies import Autoregressive
+
+    target_model = tiny_model(0).to(torch.bfloat16)
+    draft_model = tiny_model(1).float()
+    shapes = {c: list(m.weights[0].w.shape) for c, m in LlamaTreeLM(target_model, max_len=8).mm.items()}
+    rows = [1, 2, 3, 4, 6, 8, 16, 32]
+    choice = {c: [("native1", "native2")[(i + j) % 2] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
+    table = K.KernelTable(key=K.device_key("cpu", torch.bfloat16), shapes=shapes, rows=rows, choice=choice,
+                          pad_to={c: list(rows) for c in choice})
+    target = LlamaTreeLM(target_model, max_len=256, kernels=table)
+    assert target.cache.keys[0].dtype == torch.float32  # activations and cache stay fp32
+    ar = SpeculativeEngine(target=target, policy=Autoregressive())
+    for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
+        ref = ar.generate(prompt, max_new_tokens=30).tokens
+        for policy in (chain(4), *tree_policies()):
+            engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
+            assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
+    selfdraft = SpeculativeEngine(target=target, policy=chain(4), drafter=LMDrafter(LlamaTreeLM(target_model, max_len=256, kernels=table)))
+    res = selfdraft.generate([3, 7, 11], max_new_tokens=30)
+    assert res.tokens == ar.generate([3, 7, 11], max_new_tokens=30).tokens and res.tau > 3  # trees really were verified
+
+
+def tree_policies():
+    from ogspo.engine.policies import DynamicTree, StaticTree
+    from ogspo.engine.tree import Structure
+
+    return [StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
+
+
+def test_without_the_bf16_kernel_auto_is_fp32_and_bf16_runs_in_fp32(monkeypatch):
+    """$OGSPO_NO_BF16 forces the no-bf16 path: `auto` prepares fp32 and a bf16 model loads as fp32."""
+    from ogspo.stages.model import choose_dtype, runtime_dtype
+
+    monkeypatch.setenv(native.NO_BF16, "1")
+    assert not native.bf16_available()
+    assert choose_dtype(tiny_model(0).float())["dtype"] == "float32"
+    assert runtime_dtype("bfloat16", "cpu") == "float32" and runtime_dtype("float32", "cpu") == "float32"
+    with pytest.raises(RuntimeError, match="native bf16 kernel unavailable"):
+        native.PackedWeight(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+@needs_bf16
+def test_auto_measures_and_picks_bf16_where_it_is_faster():
+    from ogspo.stages.model import choose_dtype
+
+    model = tiny_model(0, hidden=256, layers=2).float()
+    c = choose_dtype(model)
+    assert c["dtype"] == ("bfloat16" if c["bf16_ms"] < c["fp32_ms"] else "float32") and "ms" in c["why"]

@@ -17,7 +17,11 @@ Classes: `qkv` (fused Q/K/V), `o`, `gate_up` (fused), `down`, `lm_head`. Candida
 - `native1`, `native2`, ...: the engine's own GEMM (`ogspo.engine.native`) on 1, 2, ... threads
 
 Numerics: every candidate computes the same product in fp32 with its own summation order, so two
-candidates differ in the last bits. `native*` gives a row the same bits whatever the row count
+candidates differ in the last bits. A bf16 weight (a bf16 target) takes fp32 rows and gives fp32 rows:
+the rows are rounded to bf16 and the sums run in fp32 (`native*`: AVX512-BF16, fp32 output; torch's
+candidates: oneDNN's bf16 product, its output rounded to bf16 and widened back). For bf16 the
+calibration refuses every candidate that is not batch-invariant (`batch_invariant`): bf16 rounding
+makes near-ties common, so a row's logits must not depend on the tree size. `native*` gives a row the same bits whatever the row count
 (batch-invariant); the others may not. The engine stays lossless either way (the verifier's
 result only depends on the logits it is given; a greedy flip against the 1-row step can happen
 only on a near-tie, which `engine.lossless.compare_greedy` tells apart from a bug).
@@ -85,6 +89,8 @@ class Weight:
 
     def __init__(self, w: torch.Tensor, kernels: set[str]):
         w = w.detach()
+        if w.dtype != torch.float32 and "numpy" in kernels:
+            raise ValueError(f"kernel 'numpy' multiplies fp32 weights only, not {w.dtype}")
         self.w = w  # [out, in], shared with the transformers module
         self.out_features, self.in_features = w.shape
         self.w_t = w.t().contiguous() if kernels & {"matmul_t", "numpy"} else None  # [in, out]
@@ -93,7 +99,9 @@ class Weight:
         self.packed = native.PackedWeight(w) if any(k.startswith("native") for k in kernels) else None
 
     def apply(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] with the named kernel."""
+        """x [..., in] -> [..., out] with the named kernel (a bf16 weight: x and the result fp32)."""
+        if self.w.dtype != x.dtype and not kernel.startswith("native"):
+            return self.apply(kernel, x.to(self.w.dtype)).to(x.dtype)  # torch's bf16 product, widened back
         if kernel == "linear":
             return F.linear(x, self.w)
         if kernel == "matmul_t":
@@ -358,19 +366,51 @@ def _select(med: dict, runners: dict, classes: list[str], rows: list[int], *, pa
     return choice, pad_to, timings
 
 
-def _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_rows, g):
+def one_row_outputs(weight: Weight, kernel: str, x: torch.Tensor, rows: list[int]) -> dict[int, torch.Tensor]:
+    """The outputs [1, out] of rows 0 and m - 1 (m in `rows`) of x, each computed alone with `kernel`."""
+    return {i: weight.apply(kernel, x[i : i + 1]) for i in {0, *(m - 1 for m in rows)}}
+
+
+def batch_invariant(weight: Weight, kernel: str, x: torch.Tensor, rows: list[int], alone: dict[int, torch.Tensor]) -> bool:
+    """Whether `kernel` over the first m rows of x gives rows 0 and m - 1 bitwise the outputs `alone`
+    (`one_row_outputs`: of this kernel, or of the kernel the table must agree with) for every m in `rows`."""
+    for m in rows:
+        y = weight.apply(kernel, x[:m])  # [m, out]
+        if not (torch.equal(y[:1], alone[0]) and torch.equal(y[m - 1 : m], alone[m - 1])):
+            return False
+    return True
+
+
+def _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_rows, g, require_invariant):
     """(class, kernel) -> a function of the row count that runs it once over every layer; the row
-    limit per class; the candidates that cannot run here and why. Adds the layer ops' shape to `shapes`."""
+    limit per class; the candidates that cannot run here and why. Adds the layer ops' shape to `shapes`.
+
+    With `require_invariant` every kernel of a class must give each row the bits the first native
+    candidate (else the first candidate that runs) gives that row alone, at every row count: then a
+    row's output does not depend on the row count nor on which kernel the table picks for it, and a
+    kernel that fails on some class is refused."""
     unavailable = {}
     runners = {}  # (class, kernel) -> function of the row count
     for c, ws in weights.items():
-        for k in candidates:
+        check_rows = [m for m in rows if c != "lm_head" or m <= lm_head_max_rows]
+        x_check = torch.randn(max(check_rows), ws[0].shape[1], generator=g)  # fp32 rows, as the engine passes them
+        alone = None  # the reference kernel's one-row outputs
+        order = sorted(candidates, key=lambda k: not k.startswith("native"))  # natives first: the reference
+        for k in order:
+            if k in unavailable:
+                continue
             try:
                 wts = [Weight(w, {k}) for w in ws]
                 wts[0].apply(k, torch.zeros(2, ws[0].shape[1], device="cpu"))
             except (RuntimeError, ValueError) as err:
                 unavailable[k] = str(err).splitlines()[0]
                 continue
+            if require_invariant:
+                alone = alone or one_row_outputs(wts[0], k, x_check, check_rows)
+                if not batch_invariant(wts[0], k, x_check, check_rows, alone):
+                    unavailable[k] = f"not batch-invariant on '{c}' (a row's bits depend on the row count or differ from the reference kernel's)"
+                    runners = {ck: r for ck, r in runners.items() if ck[1] != k}
+                    continue
             xs = {m: torch.randn(m, shapes[c][1], generator=g) for m in rows if c != "lm_head" or m <= lm_head_max_rows}
             runners[(c, k)] = lambda m, wts=wts, k=k, xs=xs: [w.apply(k, xs[m]) for w in wts]
     max_rows = {"lm_head": lm_head_max_rows}
@@ -411,6 +451,8 @@ def calibrate_kernels(
     A native kernel measured within `invariant_margin` of the fastest is kept instead of it: within
     the timing noise, a batch-invariant kernel is worth more (a row's logits then do not depend on
     the tree size, so greedy decoding cannot flip on a near-tie, and two calibrations agree).
+    Weights other than fp32 (bf16) admit batch-invariant kernels only (`batch_invariant`, checked
+    on every class before timing).
 
     `layer_ops` ({"shape": layer_ops_shape(...), "n_layers", "eps", "context", "max_rows"}) also times the
     layers' non-matmul work: "torch" against the native ops on each thread count among the
@@ -423,7 +465,12 @@ def calibrate_kernels(
     shapes = {c: list(ws[0].shape) for c, ws in weights.items()}
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
-    runners, max_rows, unavailable = _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_rows, g)
+    dtype = next(iter(weights.values()))[0].dtype
+    runners, max_rows, unavailable = _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_rows, g,
+                                                      require_invariant=dtype != torch.float32)
+    if not any(c in weights for c, _ in runners):
+        raise ValueError(f"no {str(dtype).removeprefix('torch.')} matmul kernel can run here: "
+                         + "; ".join(f"{k}: {why}" for k, why in unavailable.items()))
     classes = list(weights) + ([LAYER_OPS] if layer_ops is not None else [])
     cells = [(c, k, m) for (c, k) in runners for m in rows if m <= max_rows.get(c, m)]
     times: dict[tuple[str, str, int], list[float]] = {cell: [] for cell in cells}
@@ -449,7 +496,7 @@ def calibrate_kernels(
     med = {cell: float(np.median(v)) for cell, v in times.items()}
     choice, pad_to, timings = _select(med, runners, classes, rows, pad_margin=pad_margin, invariant_margin=invariant_margin)
     return KernelTable(
-        key=device_key("cpu", next(iter(weights.values()))[0].dtype), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to, timings_us=timings,
+        key=device_key("cpu", dtype), shapes=shapes, rows=rows, choice=choice, pad_to=pad_to, timings_us=timings,
         meta={"reps": reps, "seconds": round(time.perf_counter() - t_start, 1), "candidates": list(candidates),
               "unavailable": unavailable, "native_vector_width": native.vector_width(),
               **({"layer_ops_context": layer_ops["context"]} if layer_ops is not None else {})},

@@ -7,6 +7,8 @@ Two backends share one interface (`TreeLM`):
   QK-norm, Phi-3 with its fused weights), reading the transformers weights in place. Fused QKV and
   gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA; every matmul goes
   through the device's measured kernel table (`engine.kernels`), torch's `F.linear` without one.
+  Weights may be fp32 or bf16; the activations (residual stream, norms, rotary, attention, KV cache,
+  logits) are fp32 either way, so a bf16 target rounds only what enters a matmul.
 - `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D mask and explicit
   position ids (Gemma 2/3 with their soft-capping and scaled norms, and the rest), through
   transformers' own forward with a preallocated cache layer.
@@ -287,7 +289,8 @@ class LlamaTreeLM(TreeLM):
         self.config = cfg
         inner = hf_model.model
         p = next(hf_model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = p.device, p.dtype  # dtype: the weights' (the kernel table's key)
+        self.act_dtype = torch.float32  # activations, cache and logits
         self.n_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
@@ -296,7 +299,7 @@ class LlamaTreeLM(TreeLM):
         self.feature_layers = tuple(feature_layers)
         layer_types, self.window = attention_layout(cfg)
         self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
+        self.norm = inner.norm.weight.float()
         self.lm_head = hf_model.lm_head.weight
         self.layers = []
         fused = {c: [] for c in ("qkv", "o", "gate_up", "down")}
@@ -307,7 +310,9 @@ class LlamaTreeLM(TreeLM):
                 fused["o"].append(w["o"])  # [dim, H * hd]
                 fused["gate_up"].append(w["gate_up"])  # [2 * inter, dim]
                 fused["down"].append(w["down"])  # [dim, inter]
-                self.layers.append(dict(ln1=w["ln1"], bqkv=w["bqkv"], ln2=w["ln2"], qk_norm=w["qk_norm"],
+                f32 = lambda t: None if t is None else t.float()  # noqa: E731 (no copy for fp32 weights)
+                self.layers.append(dict(ln1=f32(w["ln1"]), bqkv=f32(w["bqkv"]), ln2=f32(w["ln2"]),
+                                        qk_norm=None if w["qk_norm"] is None else tuple(map(f32, w["qk_norm"])),
                                         sliding=layer_types[i] == SLIDING))
         # QK-norm and windows are torch ops only: the native ops do neither
         self.torch_ops_only = any(L["qk_norm"] is not None for L in self.layers)
@@ -323,7 +328,7 @@ class LlamaTreeLM(TreeLM):
         self.mm["lm_head"] = Matmul("lm_head", [self.lm_head], kernels)
         rot = inner.rotary_emb
         self.max_len = max_len
-        self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.dtype)
+        self.cos, self.sin = _rope_tables(rot.inv_freq, float(rot.attention_scaling), max_len, self.act_dtype)
         self._ops_torch = TorchLayerOps(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
         self._ops = {TORCH: self._ops_torch}  # implementation name -> instance
         self._ops_by_rows: dict[int, object] = {}  # row count -> instance
@@ -335,7 +340,7 @@ class LlamaTreeLM(TreeLM):
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             max_len=max_len,
-            dtype=self.dtype,
+            dtype=self.act_dtype,
             device=self.device,
         )
 
@@ -386,7 +391,7 @@ class LlamaTreeLM(TreeLM):
         step = Step(positions=positions[None], start=start, committed=committed, attend=attend,
                     mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin,
                     window_mask=None if window is None else window[None, None])
-        x = F.embedding(tokens, self.embed)[None]  # [1, m, dim]
+        x = F.embedding(tokens, self.embed).float()[None]  # [1, m, dim]
         h, features = self._layers(x, step, c.keys, c.values, self._ops_torch if window is not None else self.layer_ops(m))
         h = h[0]  # [m, dim]
         if logits_rows is not None:
@@ -397,7 +402,7 @@ class LlamaTreeLM(TreeLM):
         if max_len > self.max_len:
             raise ValueError(f"sequence of {max_len} tokens exceeds the rope table of {self.max_len}")
         shape = (batch, self.kv_heads, max_len, self.head_dim)
-        z = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        z = lambda: torch.zeros(shape, dtype=self.act_dtype, device=self.device)  # noqa: E731
         return BatchKVCache(keys=[z() for _ in self.layers], values=[z() for _ in self.layers],
                             row_positions=torch.zeros(batch, max_len, dtype=torch.long, device=self.device))
 
@@ -419,7 +424,7 @@ class LlamaTreeLM(TreeLM):
             window = mask & near[:, None]  # a padding row (position 0) still sees itself
         step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin,
                     window_mask=window)
-        x = F.embedding(tokens, self.embed)  # [B, m, dim]
+        x = F.embedding(tokens, self.embed).float()  # [B, m, dim]
         h, features = self._layers(x, step, cache.keys, cache.values, self._ops_torch)
         cache.length = start + m
         return ForwardOut(logits=self.mm["lm_head"](0, h), features=features)

@@ -6,6 +6,12 @@ The prepared folder holds ``model.safetensors`` (or shards), ``config.json``, th
 used in place: the prepared folder links to its files instead of copying them (the manifest records
 the weights' checksum, so a changed source is noticed). A GGUF file's chat template and special
 tokens come from its metadata when the converted tokenizer lacks them.
+
+The dtype (config key `dtype`): float32, bfloat16, float16, or `auto` (the default), which measures
+one-row products of the model's own weights with the engine's fp32 and bf16 kernels and prepares
+bf16 where the CPU has a bf16 kernel (AVX512-BF16) and it is faster (`choose_dtype`; the figures
+go to the manifest). A bf16 model loaded on a CPU without that kernel runs its (bf16-valued)
+weights in fp32: the same model, without the speed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ogspo.artifacts.prompts import find_package_dir
 
 MANIFEST = "ogspo_model.json"
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # prepare_model's dtype: measured (`choose_dtype`)
 
 
 @dataclass(frozen=True)
@@ -134,12 +141,59 @@ def weights_checksum(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> PreparedModel:
-    """Load the model source and save it as a safetensors folder at ``out_dir`` (atomically)."""
+def choose_dtype(model, reps: int = 7) -> dict:
+    """bfloat16 or float32 for `model` (fp32 weights) on this CPU: every 2-D weight of its decoder
+    layers and LM head multiplied by one row with the engine's native fp32 and bf16 kernels, in turn,
+    `reps` times (medians). bf16 needs the native bf16 kernel (AVX512-BF16) and must measure faster.
+    Returns {"dtype", "why", and the medians in ms where measured}."""
+    import numpy as np
+    import torch
+
+    from ogspo.engine import native
+
+    if not native.bf16_available():
+        why = native.unavailable_reason() or f"no native bf16 kernel here (no avx512_bf16 in the CPU flags, or ${native.NO_BF16} set)"
+        return {"dtype": "float32", "why": why}
+    weights = [p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    if model.get_output_embeddings() is not None and model.get_output_embeddings().weight.dim() == 2:
+        weights.append(model.get_output_embeddings().weight.detach())  # tied to the embedding in many models
+    threads = torch.get_num_threads()
+    packed = {dt: [native.PackedWeight(w.to(dt)) for w in weights] for dt in (torch.float32, torch.bfloat16)}
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    times = {dt: [] for dt in packed}
+    for r in range(reps + 1):
+        for dt, ws in packed.items():
+            t0 = time.perf_counter()
+            for w in ws:
+                w.matmul(xs[w.in_features], threads)
+            if r > 0:
+                times[dt].append(time.perf_counter() - t0)
+    f32, bf16 = (1e3 * float(np.median(times[dt])) for dt in (torch.float32, torch.bfloat16))
+    faster = bf16 < f32
+    return {"dtype": "bfloat16" if faster else "float32", "fp32_ms": round(f32, 2), "bf16_ms": round(bf16, 2),
+            "why": f"one-row products of every weight: bf16 {bf16:.1f} ms, fp32 {f32:.1f} ms ({threads} threads)"
+                   + ("" if faster else ": bf16 is not faster here")}
+
+
+def runtime_dtype(dtype: str, device: str = "cpu") -> str:
+    """The dtype a model prepared in `dtype` runs in on `device`: bfloat16 on a CPU without the native
+    bf16 kernel runs in float32 (its weights are exact in fp32; torch's bf16 products are not
+    batch-invariant, `engine.kernels`)."""
+    from ogspo.engine import native
+
+    if dtype == "bfloat16" and device == "cpu" and not native.bf16_available():
+        return "float32"
+    return dtype
+
+
+def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO) -> PreparedModel:
+    """Load the model source and save it as a safetensors folder at ``out_dir`` (atomically), in
+    `dtype` (`auto`: `choose_dtype` measures)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
-    torch_dtype = _torch_dtype(dtype)
+    requested = dtype
+    torch_dtype = _torch_dtype("float32" if dtype == AUTO else dtype)
     desc = describe_source(source)
     gguf = resolve_gguf(source)
     if gguf is not None:
@@ -155,7 +209,7 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
         name_or_path = source["hub_id"]
         load_kwargs = {"revision": source["revision"]} if source.get("revision") else {}
 
-    if "path" in source and _linkable(Path(name_or_path)):
+    if "path" in source and _linkable(Path(name_or_path)) and dtype != AUTO:
         return _prepare_in_place(Path(name_or_path), out_dir=out_dir, source=source, desc=desc, dtype=dtype)
 
     with tqdm(total=2, desc=f"load {desc}", leave=False, disable=None) as bar:
@@ -166,6 +220,12 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
         load_seconds = time.perf_counter() - t0
         bar.update(1)
     filled = complete_tokenizer(tokenizer, gguf_tokenizer_metadata(Path(*gguf))) if gguf is not None else []
+
+    choice = None
+    if requested == AUTO:
+        choice = choose_dtype(model)
+        dtype = choice["dtype"]
+        model.to(_torch_dtype(dtype))
 
     # GGUF weights come back dequantised, but the model still carries the quantizer, and
     # save_pretrained refuses to save a "quantized" model: drop both.
@@ -180,6 +240,7 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = "float32") -> 
             bar.update(1)
 
     checksum = _write_prepared(out_dir, write, {"source": desc, "source_config": dict(source), "dtype": dtype,
+                                                "dtype_requested": requested, **({"dtype_choice": choice} if choice else {}),
                                                 "source_load_seconds": round(load_seconds, 3), "from_gguf_metadata": filled})
     return PreparedModel(path=out_dir, checksum=checksum, load_seconds=load_seconds, source=desc)
 
@@ -262,12 +323,14 @@ def load_tokenizer(path: Path):
 def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
     """Load a prepared model folder (or any local Hugging Face folder): returns ``(model, tokenizer)``,
     model in eval mode on ``device``, in ``dtype`` (default: the dtype the folder was prepared in,
-    config key `dtype` of prepare_model; float32 for an unprepared folder)."""
+    config key `dtype` of prepare_model; float32 for an unprepared folder; `runtime_dtype` says
+    when bf16 runs in fp32)."""
     from transformers import AutoModelForCausalLM
 
     path = check_model_dir(path)
     prepared = (path / MANIFEST).is_file()
-    torch_dtype = _torch_dtype(dtype or (read_manifest(path).get("dtype", "float32") if prepared else "float32"))
+    torch_dtype = _torch_dtype(runtime_dtype(dtype or (read_manifest(path).get("dtype", "float32") if prepared else "float32"),
+                                             str(device).split(":")[0]))
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     model.to(device)

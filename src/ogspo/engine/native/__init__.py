@@ -1,4 +1,5 @@
-"""The engine's own CPU kernels, compiled on first use: the small-row fp32 GEMM (`gemm.c`) and the
+"""The engine's own CPU kernels, compiled on first use: the small-row fp32 GEMM (`gemm.c`), its bf16
+twin for CPUs with AVX512-BF16 (`gemm_bf16.c`: bf16 weights and inputs, fp32 sums and output) and the
 fused non-matmul work of a decoder layer (`ops.c`: residual + RMSNorm, rotary embedding + cache
 write + tree attention, SiLU-gate).
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).with_name("gemm.c"), Path(__file__).with_name("ops.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm.c", "gemm_bf16.c", "ops.c"))
 _CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _state: dict = {}
 
@@ -89,6 +90,10 @@ def load():
         lib.ogspo_pack.restype = None
         lib.ogspo_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         lib.ogspo_gemm.restype = None
+        lib.ogspo_pack_bf16.argtypes = [ptr, i64, i64, ptr]
+        lib.ogspo_pack_bf16.restype = None
+        lib.ogspo_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+        lib.ogspo_gemm_bf16.restype = ctypes.c_int  # 0, or 1: out of memory
         f32 = ctypes.c_float
         lib.ogspo_add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
         lib.ogspo_add_rmsnorm.restype = None
@@ -122,32 +127,49 @@ def vector_width() -> int | None:
     return _state.get("vector_width")
 
 
+NO_BF16 = "OGSPO_NO_BF16"  # set to 1: act as if the CPU had no bf16 kernel (the fp32 path, for tests)
+
+
+def bf16_available() -> bool:
+    """Whether the loaded build has the AVX512-BF16 GEMM (the compiler targeted a CPU with avx512_bf16)
+    and $OGSPO_NO_BF16 does not switch it off."""
+    lib = load()
+    return lib is not None and bool(lib.ogspo_bf16_available()) and os.environ.get(NO_BF16, "") in ("", "0")
+
+
 def unavailable_reason() -> str | None:
     load()
     return _state["reason"]
 
 
 class PackedWeight:
-    """A weight W [out, in] (fp32, CPU) packed into the kernel's panel layout."""
+    """A weight W [out, in] (fp32 or bf16, CPU) packed into its kernel's panel layout; `matmul` takes
+    fp32 rows and returns fp32 (a bf16 weight's kernel rounds the rows to bf16 and sums in fp32)."""
 
     def __init__(self, w: torch.Tensor):
         lib = load()
         if lib is None:
             raise RuntimeError(f"native kernel unavailable: {unavailable_reason()}")
-        if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
-            raise ValueError(f"native kernel packs 2-D fp32 CPU weights, got {tuple(w.shape)} {w.dtype} on {w.device}")
+        if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" or w.dim() != 2:
+            raise ValueError(f"native kernel packs 2-D fp32 or bf16 CPU weights, got {tuple(w.shape)} {w.dtype} on {w.device}")
+        if w.dtype == torch.bfloat16 and not bf16_available():
+            raise RuntimeError(f"native bf16 kernel unavailable: the CPU lacks avx512_bf16 (or ${NO_BF16} is set)")
         w = w.contiguous()
+        self.dtype = w.dtype
         self.out_features, self.in_features = w.shape
-        pw = lib.ogspo_panel_width()
+        bf16 = w.dtype == torch.bfloat16
+        pw = lib.ogspo_panel_width_bf16() if bf16 else lib.ogspo_panel_width()
         panels = -(-self.out_features // pw)
-        self.data = torch.empty(panels * self.in_features * pw + 16, dtype=torch.float32, device="cpu")  # +16: room to align
-        offset = ((-self.data.data_ptr()) % 64) // 4  # floats to the next 64-byte boundary: aligned vector loads
-        self.data = self.data[offset : offset + panels * self.in_features * pw]
-        lib.ogspo_pack(w.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
-        self._lib = lib
+        depth = 2 * (-(-self.in_features // 2)) if bf16 else self.in_features  # bf16: inputs in pairs
+        n = panels * depth * pw
+        self.data = torch.empty(n + 32, dtype=w.dtype, device="cpu")  # +32: room to align
+        offset = ((-self.data.data_ptr()) % 64) // self.data.element_size()  # elements to the next 64-byte boundary
+        self.data = self.data[offset : offset + n]
+        (lib.ogspo_pack_bf16 if bf16 else lib.ogspo_pack)(w.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
+        self._gemm = lib.ogspo_gemm_bf16 if bf16 else lib.ogspo_gemm
 
     def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:
-        """x [..., in] fp32 -> [..., out]."""
+        """x [..., in] fp32 -> [..., out] fp32."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
             raise ValueError(f"native matmul takes fp32 CPU rows of {self.in_features}, got {tuple(x.shape)} {x.dtype} on {x.device}")
         shape = x.shape
@@ -155,5 +177,6 @@ class PackedWeight:
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device="cpu")  # [rows, out]
-        self._lib.ogspo_gemm(x2.data_ptr(), x2.shape[0], self.in_features, self.data.data_ptr(), self.out_features, y.data_ptr(), threads)
+        if self._gemm(x2.data_ptr(), x2.shape[0], self.in_features, self.data.data_ptr(), self.out_features, y.data_ptr(), threads):
+            raise MemoryError("native bf16 matmul: out of memory for the rows' bf16 copy")
         return y.view(*shape[:-1], self.out_features)
