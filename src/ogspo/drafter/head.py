@@ -12,6 +12,8 @@ like the target's layers (any family the engine runs):
   ids back to target ids. The embedding is the target's, frozen and shared.
 
 Input at position t is (feature of position t, token t+1); the output predicts token t+2.
+At decode time (`use_kernels`) the head's matmuls run on the target's measured kernel table in the
+target's weight dtype (`HeadKernels`), not through torch's per-module linears.
 Training-time test (TTT): step j > 1 feeds the head its own step-(j-1) output at t-1 as the feature,
 attending the way a depth-j draft node does (committed rows up to t-j+1, then its own ancestors).
 """
@@ -24,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ogspo.engine.kernels import KernelTable, Matmul
 from ogspo.engine.target import layer_projections
 
 
@@ -107,6 +110,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
+class HeadKernels:
+    """The head's inference matmuls on the target's kernel table (`engine.kernels`), its weights in
+    the target's dtype: q/k/v fused as the target's `qkv` class, the gate/up pair as `gate_up`, `o`
+    and `down` as theirs, `fc` (D x 3D) as `down`, the draft LM head (V' x D) as `lm_head`; each
+    matmul takes the kernel (and padding) the table measured for its class at that row count.
+    A snapshot of the weights: rebuild it after training."""
+
+    def __init__(self, head: "EagleHead", table: KernelTable | None, dtype: torch.dtype):
+        c = head.cfg
+        w = lambda t: t.detach().to(dtype).contiguous()  # noqa: E731
+        self.split = [c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim]
+        self.mm = {
+            "qkv": Matmul("qkv", [w(torch.cat([head.q.weight, head.k.weight, head.v.weight]))], table),  # [(H + 2KV) hd, 2D]
+            "o": Matmul("o", [w(head.o.weight)], table),
+            "gate_up": Matmul("gate_up", [w(torch.cat([head.gate.weight, head.up.weight]))], table),  # [2I, D]
+            "down": Matmul("down", [w(head.down.weight)], table),
+            "fc": Matmul("down", [w(head.fc.weight)], table),
+            "lm": Matmul("lm_head", [w(head.lm_rows)], table),
+        }
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self.mm[name](0, x)
+
+
 class EagleHead(nn.Module):
     def __init__(self, cfg: HeadConfig, *, embed: torch.Tensor, lm_rows: torch.Tensor, d2t: torch.Tensor,
                  train_lm_head: bool = False):
@@ -136,6 +163,11 @@ class EagleHead(nn.Module):
         self.down = nn.Linear(cfg.intermediate, D, bias=False, device=dev)
         self.norm = nn.Parameter(torch.ones(D, device=dev))
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_theta_inv_freq, dtype=torch.float32, device=dev), persistent=False)
+        self.kernels: HeadKernels | None = None  # decode-time matmuls (`use_kernels`); None: the modules
+
+    def use_kernels(self, table: KernelTable | None, dtype: torch.dtype) -> None:
+        """Run `step` and `project` on `table`'s kernels with weights in `dtype` (the target's)."""
+        self.kernels = HeadKernels(self, table, dtype)
 
     # ------------------------------------------------------------------ building blocks
 
@@ -170,27 +202,39 @@ class EagleHead(nn.Module):
         e = rms_norm(F.embedding(tokens, self.embed), self.input_layernorm, c.eps)  # [..., T, D]
         return torch.cat([e, rms_norm(feat, self.hidden_norm, c.eps)], dim=-1)  # [..., T, 2D]
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: HeadKernels | None = None):
         """h [B, T, 2D] (`layer_input`) -> q [B, H, T, hd], k, v [B, KV, T, hd] (rotary applied)."""
         B, T, _ = h.shape
         c = self.cfg
-        q = self.q(h).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.k(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k, v = kernels("qkv", h).split(kernels.split, -1) if kernels is not None else (self.q(h), self.k(h), self.v(h))
+        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, kernels: HeadKernels | None = None) -> torch.Tensor:
         """The residual stream x [B, T, D] (the feature) + attention output attn [B, H, T, hd], then the MLP.
         Returns the layer output [B, T, D]."""
         B, _, T, _ = attn.shape
-        x = x + self.o(attn.transpose(1, 2).reshape(B, T, -1))
-        h = rms_norm(x, self.post_attention_layernorm, self.cfg.eps)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        a = attn.transpose(1, 2).reshape(B, T, -1)  # [B, T, H hd]
+        if kernels is None:
+            x = x + self.o(a)
+            h = rms_norm(x, self.post_attention_layernorm, self.cfg.eps)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        x = x + kernels("o", a)
+        g, u = kernels("gate_up", rms_norm(x, self.post_attention_layernorm, self.cfg.eps)).chunk(2, -1)  # [B, T, I] each
+        return x + kernels("down", F.silu(g) * u)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
+    def logits(self, out: torch.Tensor, kernels: HeadKernels | None = None) -> torch.Tensor:
         """Draft-vocabulary logits [..., V'] from layer outputs [..., D]."""
-        return rms_norm(out, self.norm, self.cfg.eps) @ self.lm_rows.T
+        h = rms_norm(out, self.norm, self.cfg.eps)
+        return h @ self.lm_rows.T if kernels is None else kernels("lm", h)
+
+    @torch.inference_mode()
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """`fc` at decode time: the target's features [r, 3D] -> the head's h [r, D]."""
+        return self.fc(features) if self.kernels is None else self.kernels("fc", features)
 
     # ------------------------------------------------------------------ training (TTT)
 
@@ -230,14 +274,15 @@ class EagleHead(nn.Module):
         tokens [m], feat [m, D], positions [m]; keys/values [1, KV, max_len, hd]; mask [m, start+m] bool or None.
         Returns (layer outputs [m, D], draft logits [m, V'] or None without `with_logits`)."""
         m = tokens.shape[0]
+        kern = self.kernels
         x = feat[None]  # [1, m, D] the residual stream
         cos, sin = self.rope(positions[None], x.dtype)
-        q, k, v = self.qkv(self.layer_input(tokens, feat)[None], cos, sin)
+        q, k, v = self.qkv(self.layer_input(tokens, feat)[None], cos, sin, kern)
         keys[:, :, start : start + m] = k
         values[:, :, start : start + m] = v
         attn = F.scaled_dot_product_attention(
             q, keys[:, :, : start + m], values[:, :, : start + m],
             attn_mask=None if mask is None else mask[None, None], enable_gqa=q.shape[1] != k.shape[1],
         )  # [1, H, m, hd]
-        out = self.finish(x, attn)[0]  # [m, D]
-        return out, self.logits(out) if with_logits else None
+        out = self.finish(x, attn, kern)[0]  # [m, D]
+        return out, self.logits(out, kern) if with_logits else None

@@ -83,7 +83,7 @@ class EagleDrafter(TreeDrafter):
         if out is None or out.features is None:
             raise ValueError("the eagle drafter needs target features: build the target with the drafter's feature_layers")
         with torch.inference_mode():
-            return self.head.fc(out.features[rows].float())  # [r, D]
+            return self.head.project(out.features[rows].float())  # [r, D]
 
     def begin(self, prompt: list[int], target: ForwardOut | None) -> None:
         """The drafter's own prefill: encode the pairs (f_t, x_{t+1}) of the prompt now, so that the

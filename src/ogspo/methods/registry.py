@@ -65,6 +65,8 @@ def make_drafter(
         if path is None:
             raise ValueError("drafter 'eagle' needs the trained head's folder (--drafter-path)")
         head, meta = load_head(Path(path), target_model=target_model, target_checksum=target_checksum)
+        if head.lm_rows.device.type == "cpu":  # the head's matmuls on the measured kernels, in the target's dtype
+            head.use_kernels(kernels, next(target_model.parameters()).dtype)
         return EagleDrafter(head, max_len=max_len, drafter_id=f"eagle:{meta['id']}")
     if name == "lookup":
         return PromptLookupDrafter()
