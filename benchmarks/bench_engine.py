@@ -1,18 +1,24 @@
-"""Benchmark: the engine against transformers on SmolLM2, side by side in one run.
+"""Benchmark: the engine's fp32 and bf16 targets and transformers on SmolLM2, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_engine.py [--model results/.test-cache/smollm2] [--write]
+    .venv/bin/python benchmarks/bench_engine.py [--model results/.test-cache/smollm2] [--head DIR] [--write]
 
-1. Autoregressive tokens/s: the engine's `ar` method vs transformers `generate(do_sample=False)`,
-   interleaved prompt by prompt, repeated.
+The model folder is prepared in fp32; the bf16 target is the same weights rounded to bf16 (what
+`dtype: bfloat16` / `auto` prepares). Each dtype gets its own kernel table (calibrated, cached).
+
+1. Autoregressive tokens/s: the engine's `ar` in fp32 and in bf16 vs transformers
+   `generate(do_sample=False)` (fp32), interleaved prompt by prompt, repeated; bf16/fp32 paired.
 2. Verification cost: one target forward over a tree of n nodes (root included) on a 256-token
-   cache vs a one-token step, for the engine and for transformers as is (DynamicCache + 4-D mask).
-3. Cycle time split of speculative methods: share of cycle time spent outside model forwards.
-4. End-to-end speed of speculative methods (model-free and early-exit drafters) vs `ar`.
+   cache vs a one-token step, fp32 and bf16, each against its memory floor (weight bytes over the
+   read bandwidth of a 1 GiB fp32 sum, printed).
+3. One draft-head level at w=1 (the EAGLE-3 head on the table's kernels in the target's dtype, run
+   right after a target step so its weights come from memory), against its own memory floor.
+4. End-to-end speed of speculative methods (model-free and early-exit drafters) vs `ar`, per dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import os
 import sys
@@ -65,20 +71,22 @@ def roofline(model, reps: int = 5) -> dict:
         peak.append(2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
     cfg = model.config
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight")) + model.lm_head.weight.numel()
-    return {"bandwidth_gbs": max(bw), "peak_gflops": max(peak), "weight_bytes": 4 * matmul_params, "matmul_params": matmul_params,
+    return {"bandwidth_gbs": float(np.median(bw)), "peak_gflops": max(peak), "matmul_params": matmul_params,
             "kv_bytes_per_row": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4}
 
 
-def floor_seconds(roof: dict, n: int, context: int) -> float:
-    read = roof["weight_bytes"] + roof["kv_bytes_per_row"] * (context + n)
-    return max(read / (roof["bandwidth_gbs"] * 1e9), 2 * n * roof["matmul_params"] / (roof["peak_gflops"] * 1e9))
+def floor_seconds(roof: dict, n: int, context: int, bytes_per_weight: int) -> float:
+    """Memory floor of a forward of n rows: the matmul weights (in their dtype) and the fp32 KV cache
+    read once at the measured bandwidth (the arithmetic is far below it at these row counts)."""
+    read = bytes_per_weight * roof["matmul_params"] + roof["kv_bytes_per_row"] * (context + n)
+    return read / (roof["bandwidth_gbs"] * 1e9)
 
 
 def bench_ar(model, tok, targets: dict, n_tokens: int, reps: int) -> dict[str, list[float]]:
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.policies import Autoregressive
 
-    engines = {f"engine ar ({name})": SpeculativeEngine(target=t, policy=Autoregressive()) for name, t in targets.items()}
+    engines = {f"engine ar {name}": SpeculativeEngine(target=t, policy=Autoregressive()) for name, t in targets.items()}
     out: dict[str, list[float]] = {"transformers generate": []} | {k: [] for k in engines}
     for r in range(reps + 1):
         for p in PROMPTS:
@@ -148,6 +156,38 @@ def bench_verify(model, targets: dict, sizes: list[int], context: int, reps: int
     return res
 
 
+def bench_head(heads: dict, targets: dict, context: int, reps: int) -> dict[str, list[float]]:
+    """Seconds of one head level at w=1 (`EagleHead.step` + the draft distribution's top-k) on a
+    `context`-row head cache, per dtype, each right after a one-token step of that dtype's target
+    (so the head's weights are read from memory, as in decoding)."""
+    from ogspo.engine.target import KVCache
+
+    res: dict[str, list[float]] = {name: [] for name in heads}
+    for name, head in heads.items():
+        c = head.cfg
+        head.bench_cache = KVCache(n_layers=1, kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=context + 8, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    for r in range(reps + 2):
+        for name, head in heads.items():
+            target = targets[name]
+            target.forward(torch.tensor([5]), torch.tensor([context]), None)
+            target.cache.commit(None)
+            feat = torch.randn(1, head.cfg.hidden, generator=g)
+            kv = head.bench_cache
+            t0 = time.perf_counter()
+            _, logits = head.step(torch.tensor([7]), feat, torch.tensor([context]), kv.keys[0], kv.values[0], context, None)
+            torch.log_softmax(logits, -1).topk(4)
+            if r >= 2:
+                res[name].append(time.perf_counter() - t0)
+    return res
+
+
+def head_floor_seconds(head, roof: dict, bytes_per_weight: int) -> float:
+    """The head's matmul weights (q/k/v, o, MLP, the draft LM head) read once at the measured bandwidth."""
+    n = sum(m.weight.numel() for m in (head.q, head.k, head.v, head.o, head.gate, head.up, head.down)) + head.lm_rows.numel()
+    return bytes_per_weight * n / (roof["bandwidth_gbs"] * 1e9)
+
+
 def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.drafters import LMDrafter
@@ -187,19 +227,21 @@ def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
     return rows
 
 
-def render(args, roof, table, ar, ver, methods) -> str:
+def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
     import transformers
 
     from ogspo.engine.kernels import describe
 
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_engine.py " + " ".join(sys.argv[1:])
+    commit = os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()
     L = [
-        "## Engine vs transformers, SmolLM2-135M fp32 (`benchmarks/bench_engine.py`)",
+        "## Engine in fp32 and bf16 vs transformers, SmolLM2-135M (`benchmarks/bench_engine.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__} (threads {torch.get_num_threads()}), transformers {transformers.__version__}",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}; bf16 instructions: {bf16_flags() or 'none'}), torch {torch.__version__} "
+        f"(threads {torch.get_num_threads()}), transformers {transformers.__version__}",
         f"- reproduce: `{cmd.strip()}`",
-        f"- {len(PROMPTS)} prompts, methods interleaved prompt by prompt, {args.reps} rounds; medians [min, max]",
+        f"- {len(PROMPTS)} prompts, decoders interleaved prompt by prompt, {args.reps} rounds; medians [min, max]",
         "",
         f"**Autoregressive, {args.tokens} new tokens (tokens/s):**",
         "",
@@ -209,75 +251,118 @@ def render(args, roof, table, ar, ver, methods) -> str:
     for k, xs in ar.items():
         L.append(f"| {k} | {stats(xs)[0]:.1f} | {stats(xs)[1]:.1f} | {stats(xs)[2]:.1f} |")
     hf = ar["transformers generate"]
-    for name in ("table", "reference"):
-        ratio = [a / b for a, b in zip(ar[f"engine ar ({name})"], hf)]
-        L.append(f"\nEngine ({name} kernels) / transformers, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, {max(ratio):.2f}]")
+    for name in tables:
+        ratio = [a / b for a, b in zip(ar[f"engine ar {name}"], hf)]
+        L.append(f"\nEngine {name} / transformers fp32, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, {max(ratio):.2f}]")
+    if "bf16" in tables:
+        ratio = [a / b for a, b in zip(ar["engine ar bf16"], ar["engine ar fp32"])]
+        L.append(f"\n**Engine bf16 / fp32, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, {max(ratio):.2f}]**")
+    floors = {name: (lambda n, b=BYTES[name]: floor_seconds(roof, n, args.context, b)) for name in tables}
     L += [
         "",
-        f"**Roofline of this device:** read bandwidth {roof['bandwidth_gbs']:.1f} GB/s (1 GiB fp32 sum), fp32 GEMM peak "
-        f"{roof['peak_gflops']:.0f} GFLOP/s (2048^3 matmul); a forward reads {roof['weight_bytes'] / 1e6:.0f} MB of matmul weights "
-        f"plus the KV cache and does 2 x {roof['matmul_params'] / 1e6:.0f}M FLOPs per row: floor(n) = max(bytes / bandwidth, FLOPs / peak).",
+        f"**Floors of this device:** read bandwidth {roof['bandwidth_gbs']:.1f} GB/s (median sum of a 1 GiB fp32 tensor); a forward reads "
+        f"{roof['matmul_params'] / 1e6:.0f}M matmul weights ({4 * roof['matmul_params'] / 1e6:.0f} MB in fp32, {2 * roof['matmul_params'] / 1e6:.0f} MB in bf16) "
+        f"plus the fp32 KV cache: 1-row floor {1e3 * floors['fp32'](1):.1f} ms fp32"
+        + (f", {1e3 * floors['bf16'](1):.1f} ms bf16." if "bf16" in tables else "."),
         "",
-        f"**One target forward over a tree of n nodes on a {args.context}-token cache (ms, median of {args.reps * 3}): "
-        "the engine with this device's kernel table, with the reference kernel (F.linear), and transformers as is:**",
+        f"**One target forward over a tree of n nodes on a {args.context}-token cache (ms, median of {args.reps * 3}), each dtype on its kernel table; "
+        "transformers (fp32) as is:**",
         "",
-        "| n | floor ms | engine (table) ms | / engine(1) | / floor | engine (reference) ms | / engine(1) | transformers ms | / transformers(1) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| n | " + " | ".join(f"{k} ms | {k} / {k}(1) | {k} / floor" for k in tables) + " | transformers ms | / transformers(1) |",
+        "|---:|" + "---:|---:|---:|" * len(tables) + "---:|---:|",
     ]
-    e1 = stats(ver[("table", 1)])[0]
-    r1 = stats(ver[("reference", 1)])[0]
-    h1 = stats(ver[("transformers", 1)])[0]
+    one = {k: stats(ver[(k, 1)])[0] for k in (*tables, "transformers")}
     for n in args.sizes:
-        e, r, h = (stats(ver[(k, n)])[0] for k in ("table", "reference", "transformers"))
-        f = floor_seconds(roof, n, args.context)
-        L.append(f"| {n} | {f * 1e3:.1f} | {e * 1e3:.1f} | {e / e1:.2f}x | {e / f:.2f}x | {r * 1e3:.1f} | {r / r1:.2f}x | {h * 1e3:.1f} | {h / h1:.2f}x |")
-    L += ["", f"**Kernel table** ({table.key['model']}, {table.key['threads']} threads; {table.meta.get('seconds', '?')} s of timing; "
-          "`kernel->m` = padded to m rows):", "", "```", describe(table), "```"]
-    L += [
-        "",
-        f"**Speculative methods, {args.tokens} new tokens (complete-request tokens/s, tau with bonus, share of cycle time outside model forwards):**",
-        "",
-        "| method | tokens/s | speedup vs ar | tau | outside forwards |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    base = methods["ar"]["tps"]
-    for label, r in methods.items():
-        sp = [a / b for a, b in zip(r["tps"], base)]
-        L.append(
-            f"| {label} | {np.median(r['tps']):.1f} | {np.median(sp):.2f}x [{min(sp):.2f}, {max(sp):.2f}] | "
-            f"{np.median(r['tau']):.2f} | {100 * np.median(r['outside']):.1f}% |"
-        )
+        cells = []
+        for k in tables:
+            e = stats(ver[(k, n)])[0]
+            cells.append(f"{e * 1e3:.1f} | {e / one[k]:.2f}x | {e / floors[k](n):.2f}x")
+        h = stats(ver[("transformers", n)])[0]
+        L.append(f"| {n} | " + " | ".join(cells) + f" | {h * 1e3:.1f} | {h / one['transformers']:.2f}x |")
+    if head_t:
+        L += ["", f"**One draft-head level at w=1** ({args.head or 'an untrained EAGLE-3 head of the target (timing only)'}; "
+              f"head cache of {args.context} rows; right after a target step; ms, median [min, max] of {len(next(iter(head_t.values())))}):", "",
+              "| dtype | head level ms | floor ms | / floor | / target 1-row step |", "|---|---:|---:|---:|---:|"]
+        for k, xs in head_t.items():
+            f = head_floor_seconds(heads[k], roof, BYTES[k])
+            m, lo, hi = stats(xs)
+            L.append(f"| {k} | {1e3 * m:.2f} [{1e3 * lo:.2f}, {1e3 * hi:.2f}] | {1e3 * f:.2f} | {m / f:.2f}x | {m / one[k]:.2f} |")
+    for k, table in tables.items():
+        L += ["", f"**Kernel table, {k}** ({table.key['model']}, {table.key['threads']} threads; {table.meta.get('seconds', '?')} s of timing; "
+              "`kernel->m` = padded to m rows):", "", "```", describe(table), "```"]
+    for k, rows in methods.items():
+        L += [
+            "",
+            f"**Speculative methods, {k} target, {args.tokens} new tokens (complete-request tokens/s, tau with bonus, share of cycle time outside model forwards):**",
+            "",
+            "| method | tokens/s | speedup vs ar | tau | outside forwards |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        base = rows["ar"]["tps"]
+        for label, r in rows.items():
+            sp = [a / b for a, b in zip(r["tps"], base)]
+            L.append(
+                f"| {label} | {np.median(r['tps']):.1f} | {np.median(sp):.2f}x [{min(sp):.2f}, {max(sp):.2f}] | "
+                f"{np.median(r['tau']):.2f} | {100 * np.median(r['outside']):.1f}% |"
+            )
     return "\n".join(L)
+
+
+BYTES = {"fp32": 4, "bf16": 2}
+
+
+def bf16_flags() -> str:
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return ""
+    return ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=REPO / "results" / ".test-cache" / "smollm2")
+    ap.add_argument("--model", type=Path, default=REPO / "results" / ".test-cache" / "smollm2", help="a model folder prepared in fp32")
+    ap.add_argument("--head", type=Path, help="a trained draft head folder (default: an untrained head of the target, for timing)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64])
-    ap.add_argument("--kernels", type=Path, help="kernel table (default: calibrate with config/default.yaml, cached per machine)")
     ap.add_argument("--write", action="store_true", help="update this script's section of docs/BENCHMARKS.md")
     args = ap.parse_args()
 
-    from ogspo.engine.kernels import read_kernel_table
+    from ogspo.drafter.head import EagleHead, HeadConfig
+    from ogspo.drafter.runtime import load_head
+    from ogspo.engine import native
     from ogspo.methods.registry import make_target
     from ogspo.stages.calibrate import calibrate_device_kernels
     from ogspo.stages.config import load_config
     from ogspo.stages.model import load_target
 
-    model, tok = load_target(args.model)
-    if args.kernels is not None:
-        table = read_kernel_table(args.kernels)
+    model, tok = load_target(args.model, dtype="float32")
+    models = {"fp32": model}
+    if native.bf16_available():
+        models["bf16"] = copy.deepcopy(model).to(torch.bfloat16)
     else:
-        table, _ = calibrate_device_kernels(model, load_config(REPO / "config" / "default.yaml")["kernels"])
+        print(f"no native bf16 kernel here ({native.unavailable_reason() or 'no avx512_bf16'}): fp32 only", file=sys.stderr)
+    kcfg = load_config(REPO / "config" / "default.yaml")["kernels"]
+    tables = {k: calibrate_device_kernels(m, kcfg)[0] for k, m in models.items()}
     roof = roofline(model)
-    targets = {"table": make_target(model, max_len=1024, kernels=table), "reference": make_target(model, max_len=1024)}
+    targets = {k: make_target(m, max_len=1024, kernels=tables[k]) for k, m in models.items()}
+    heads = {}
+    for k, m in models.items():
+        if args.head is not None:
+            head = load_head(args.head, target_model=m)[0]
+        else:
+            emb = m.get_input_embeddings().weight
+            cfg = HeadConfig.for_target(m, draft_vocab=8192)
+            head = EagleHead(cfg, embed=emb, lm_rows=emb[: cfg.draft_vocab], d2t=torch.arange(cfg.draft_vocab)).eval()
+        head.use_kernels(tables[k], next(m.parameters()).dtype)
+        heads[k] = head
     ar = bench_ar(model, tok, targets, args.tokens, args.reps)
     ver = bench_verify(model, targets, args.sizes, args.context, args.reps * 3)
-    methods = bench_methods(model, tok, targets["table"], args.tokens, args.reps, table)
-    section = render(args, roof, table, ar, ver, methods)
+    head_t = bench_head(heads, targets, args.context, args.reps * 10)
+    methods = {k: bench_methods(models[k], tok, targets[k], args.tokens, args.reps, tables[k]) for k in models}
+    section = render(args, roof, tables, ar, ver, head_t, heads, methods)
     print(section)
     if args.write:
         write_section("bench_engine", section)

@@ -61,7 +61,7 @@ def test_wrong_value(base):
     assert error_of(base) == "config error at 'workloads.mtbench.eval_fraction': 1.5 is greater than the maximum of 1"
     base["workloads"]["mtbench"]["eval_fraction"] = 0.25
     base["dtype"] = "float8"
-    assert error_of(base) == "config error at 'dtype': 'float8' is not allowed; allowed values: float32, bfloat16, float16"
+    assert error_of(base) == "config error at 'dtype': 'float8' is not allowed; allowed values: auto, float32, bfloat16, float16"
 
 
 def test_missing_key(base):

@@ -8,7 +8,7 @@ Two backends share one interface (`TreeLM`):
   gate/up matmuls, a preallocated cache, boolean tree masks straight into SDPA; every matmul goes
   through the device's measured kernel table (`engine.kernels`), torch's `F.linear` without one.
   Weights may be fp32 or bf16; the activations (residual stream, norms, rotary, attention, KV cache,
-  logits) are fp32 either way, so a bf16 target rounds only what enters a matmul.
+  logits) are fp32 either way (fp64 for fp64 test models), so a bf16 target rounds only what enters a matmul.
 - `HFTreeLM`: any transformers causal LM whose attention accepts a custom 4-D mask and explicit
   position ids (Gemma 2/3 with their soft-capping and scaled norms, and the rest), through
   transformers' own forward with a preallocated cache layer.
@@ -162,6 +162,8 @@ class TreeLM:
     vocab_size: int
     cache: KVCache
     device: torch.device = torch.device("cpu")  # where the weights and the cache live
+    dtype: torch.dtype = torch.float32  # of the weights
+    kernels: KernelTable | None = None  # the device's kernel table its matmuls run on (None: the reference kernel)
     window: int | None = None  # sliding window of the model's sliding layers (None: none)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -290,7 +292,7 @@ class LlamaTreeLM(TreeLM):
         inner = hf_model.model
         p = next(hf_model.parameters())
         self.device, self.dtype = p.device, p.dtype  # dtype: the weights' (the kernel table's key)
-        self.act_dtype = torch.float32  # activations, cache and logits
+        self.act_dtype = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype  # activations, cache, logits
         self.n_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads

@@ -34,6 +34,7 @@ from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import request_seed
 from ogspo.artifacts.structure import load_structure
 from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
+from ogspo.engine.kernels import cpu_model
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
 from ogspo.engine.target import synchronize
@@ -476,9 +477,18 @@ def evaluate_methods(
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,
-                  "tune_winner_stability": stability,
+                  "tune_winner_stability": stability, "target": target_description(target),
                   "prompts": {w: [p for p, _ in v] for w, v in prompts.items()}},
     )
+
+
+def target_description(target) -> dict:
+    """What the evaluated target is: its weights' dtype, the machine, threads, and where its matmul
+    kernels come from (the kernel table's dtype and machine key, or the reference kernel)."""
+    table, dev = target.kernels, target.device
+    return {"dtype": str(target.dtype).removeprefix("torch."), "machine": cpu_model() if dev.type == "cpu" else str(dev),
+            "threads": torch.get_num_threads(),
+            "kernels": "reference" if table is None else f"{table.key.get('dtype')} table, {table.key.get('model')}"}
 
 
 def _check_lossless(out: dict[str, RequestRow], ref_name: str, prompt: list[int], *, workload: str, prompt_id: str,

@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.prompts import find_package_dir
+from ogspo.engine import native
 
 MANIFEST = "ogspo_model.json"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -149,8 +150,6 @@ def choose_dtype(model, reps: int = 7) -> dict:
     import numpy as np
     import torch
 
-    from ogspo.engine import native
-
     if not native.bf16_available():
         why = native.unavailable_reason() or f"no native bf16 kernel here (no avx512_bf16 in the CPU flags, or ${native.NO_BF16} set)"
         return {"dtype": "float32", "why": why}
@@ -179,8 +178,6 @@ def runtime_dtype(dtype: str, device: str = "cpu") -> str:
     """The dtype a model prepared in `dtype` runs in on `device`: bfloat16 on a CPU without the native
     bf16 kernel runs in float32 (its weights are exact in fp32; torch's bf16 products are not
     batch-invariant, `engine.kernels`)."""
-    from ogspo.engine import native
-
     if dtype == "bfloat16" and device == "cpu" and not native.bf16_available():
         return "float32"
     return dtype
@@ -209,8 +206,13 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO) -> Prepa
         name_or_path = source["hub_id"]
         load_kwargs = {"revision": source["revision"]} if source.get("revision") else {}
 
-    if "path" in source and _linkable(Path(name_or_path)) and dtype != AUTO:
-        return _prepare_in_place(Path(name_or_path), out_dir=out_dir, source=source, desc=desc, dtype=dtype)
+    if "path" in source and _linkable(Path(name_or_path)):
+        choice = None
+        if dtype == AUTO:  # measured on the folder's weights; the links stay, the manifest's dtype says how to load them
+            choice = choose_dtype(AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype))
+            dtype = choice["dtype"]
+        return _prepare_in_place(Path(name_or_path), out_dir=out_dir, source=source, desc=desc, dtype=dtype,
+                                 extra={"dtype_requested": requested, **({"dtype_choice": choice} if choice else {})})
 
     with tqdm(total=2, desc=f"load {desc}", leave=False, disable=None) as bar:
         t0 = time.perf_counter()
@@ -245,11 +247,12 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO) -> Prepa
     return PreparedModel(path=out_dir, checksum=checksum, load_seconds=load_seconds, source=desc)
 
 
-def _prepare_in_place(folder: Path, *, out_dir: Path, source: Mapping, desc: str, dtype: str) -> PreparedModel:
+def _prepare_in_place(folder: Path, *, out_dir: Path, source: Mapping, desc: str, dtype: str, extra: dict) -> PreparedModel:
     """A prepared folder of links to `folder`'s files: no copy of the weights (loaded in `dtype`)."""
     t0 = time.perf_counter()
     checksum = _write_prepared(out_dir, lambda tmp: _link_folder(folder, tmp),
-                               {"source": desc, "source_config": dict(source), "dtype": dtype, "linked_from": str(folder.resolve())})
+                               {"source": desc, "source_config": dict(source), "dtype": dtype, **extra,
+                                "linked_from": str(folder.resolve())})
     return PreparedModel(path=out_dir, checksum=checksum, load_seconds=time.perf_counter() - t0, source=desc)
 
 

@@ -237,9 +237,13 @@ def _fmt(x, spec=".2f", none="-") -> str:
 
 def render_report(*, rows: list[dict], ratios: dict[str, dict[str, float]], lossless: dict, missing: list[str],
                   plots: list[Path], limits: list[str], tuned: dict, comparison: list[str] = (),
-                  stability: Mapping[str, Mapping[str, float]] | None = None) -> str:
+                  stability: Mapping[str, Mapping[str, float]] | None = None, target: Mapping | None = None) -> str:
     stability = stability or {}
-    lines = ["# ogspo evaluation report", "", *comparison]
+    lines = ["# ogspo evaluation report", ""]
+    if target:  # what ran: the evaluation's target dtype and machine
+        lines += [f"Target weights in {target.get('dtype', '?')} on {target.get('machine', '?')} "
+                  f"({target.get('threads', '?')} threads, matmul kernels from `{target.get('kernels', '?')}`).", ""]
+    lines += [*comparison]
     temps = sorted({r["temperature"] for r in rows})
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -671,7 +675,7 @@ def write_report(
     summary_path = out_dir / "summary.json"
     md_path = out_dir / "report.md"
     md = render_report(rows=rows, ratios=ratios, lossless=lossless, missing=missing, plots=plots, limits=limits, tuned=tuned,
-                       stability=(ev.get("settings") or {}).get("tune_winner_stability"),
+                       stability=(ev.get("settings") or {}).get("tune_winner_stability"), target=(ev.get("settings") or {}).get("target"),
                        comparison=render_comparison(statements, pooled) + render_shipping(shipping)
                        + render_latency_check(checked))
     if drafter_eval is not None:
