@@ -131,7 +131,7 @@ def measure_drafter(
     t_start = time.perf_counter()
     model, tok = load_target(model_dir, device=device)
     checksum = model_checksum(model_dir)
-    drafters = {label: make_drafter("eagle", target_model=model, max_len=2048, path=path, target_checksum=checksum)
+    drafters = {label: make_drafter("eagle", target_model=model, max_len=2048, path=path, target_checksum=checksum, kernels=kernels)
                 for label, path in drafter_dirs.items()}
     first_drafter = next(iter(drafters.values()))
     target = make_target(model, max_len=2048, drafter=first_drafter, kernels=kernels)
