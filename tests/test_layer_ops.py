@@ -232,3 +232,32 @@ def test_the_native_library_shares_the_openmp_runtime_torch_loaded():
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if Path(line.split()[-1]).name.startswith("libgomp")}
     assert len(gomp) <= 1, gomp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_call_layer_gives_the_layer_by_layer_bits(dtype):
+    """With native kernels for every class and the native layer ops, each decoder layer runs as one
+    native call (`decoder_layer`); its logits and features equal the layer-by-layer path's bit for
+    bit (fp32 and bf16 weights), and the fp32 target still decodes exactly as transformers does."""
+    if native.load() is None or (dtype == torch.bfloat16 and not native.bf16_available()):
+        pytest.skip("native kernels (bf16: AVX512-BF16) not available here")
+    target_model = tiny_model(0, hidden=64, heads=4, kv_heads=2).to(dtype)
+    lm = LlamaTreeLM(target_model, max_len=8)
+    shapes = {c: list(m.weights[0].w.shape) for c, m in lm.mm.items()} | {K.LAYER_OPS: lm.layer_ops_shape}
+    rows = [1, 2, 4, 8, 16]
+    choice = {c: ["native2", "native1", "native2", "native1", "native2"] for c in K.CLASSES} | {K.LAYER_OPS: ["native2"] * len(rows)}
+    table = K.KernelTable(key=K.device_key("cpu", dtype), shapes=shapes, rows=rows, choice=choice, pad_to={c: list(rows) for c in choice})
+    outs = {}
+    for fused in (True, False):
+        target = LlamaTreeLM(target_model, max_len=64, kernels=table, feature_layers=(0, 1))
+        if not fused:
+            target.fused_threads = lambda m, ops: None
+        assert (target.fused_threads(3, target.layer_ops(3)) is not None) == fused
+        target.prefill([3, 7, 11, 2])
+        anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+        out = target.forward(torch.tensor([5, 9, 1]), torch.tensor([4, 5, 5]), anc)
+        outs[fused] = (out.logits, out.features)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    if dtype == torch.float32:
+        draft_model = tiny_model(1, hidden=64, heads=4, kv_heads=2).float()
+        assert_tree_policies_equal_greedy(LlamaTreeLM(target_model, max_len=256, kernels=table), target_model, draft_model)

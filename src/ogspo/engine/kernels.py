@@ -276,6 +276,11 @@ class Matmul:
             self._plan[m] = p
         return p
 
+    def native_threads(self, m: int) -> int | None:
+        """The native kernel's thread count when the table runs m rows of this class on it, else None."""
+        kernel, _ = self.plan(m)
+        return int(kernel[len("native") :]) if kernel.startswith("native") else None
+
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] for the weight of `layer`; padded to a cheaper row count when
         the table says so (extra zero rows, dropped from the result)."""

@@ -16,6 +16,7 @@ is the kernel table's `layer_ops` entry, measured per device like the matmuls.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -126,6 +127,7 @@ class NativeLayerOps:
         self.H, self.KV, self.hd, self.eps, self.threads = n_heads, kv_heads, head_dim, eps, threads
         self.name = f"native{threads}"
         self._lib = lib
+        self._scratch: torch.Tensor | None = None  # decoder_layer's work space, grown on demand
 
     def add_rmsnorm(self, x, r, w):
         """In place on x [1, m, dim] (contiguous): x += r; returns (x, rmsnorm(x) * w)."""
@@ -178,6 +180,36 @@ class NativeLayerOps:
         if status:
             raise (MemoryError if status == 4 else ValueError)(native.ROPE_ATTENTION_ERRORS[status])
         return out
+
+    def decoder_layer(self, x, *, ln1, ln2, bias, weights, threads, step: Step, keys, values) -> None:
+        """A whole decoder layer in one native call (`layer.c`), in place on x [1, m, dim] (contiguous
+        fp32): the same operations as add_rmsnorm, the qkv matmul, rope_attention, o, add_rmsnorm,
+        gate/up, silu_mul and down, with the MLP's residual added at the end. `weights`: the layer's
+        packed qkv, o, gate_up and down (`native.PackedWeight`, all fp32 or all bf16); `threads`: the
+        native thread count of each of the four matmuls."""
+        _check_fp32(x, "x")
+        B, m, dim = x.shape
+        qkv_w, o_w, gu_w, down_w = weights
+        H, KV, hd = self.H, self.KV, self.hd
+        inter = down_w.in_features
+        if B != 1 or not x.is_contiguous() or qkv_w.out_features != (H + 2 * KV) * hd or gu_w.out_features != 2 * inter:
+            raise ValueError(f"native decoder layer: x {tuple(x.shape)} (one contiguous sequence) and the weights do not match")
+        if len({w.dtype for w in weights}) != 1:
+            raise ValueError("native decoder layer: the four weights must share one dtype")
+        positions, attend = step.row_inputs
+        size = m * (3 * dim + (H + 2 * KV) * hd + H * hd + 3 * inter)
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.float32, device="cpu")
+        counts = (ctypes.c_int32 * 5)(*threads, self.threads)
+        status = self._lib.ogspo_decoder_layer(
+            x.data_ptr(), m, dim, inter, ln1.data_ptr(), ln2.data_ptr(), self.eps, qkv_w.data.data_ptr(), o_w.data.data_ptr(),
+            gu_w.data.data_ptr(), down_w.data.data_ptr(), int(qkv_w.dtype == torch.bfloat16), counts,
+            None if bias is None else bias.data_ptr(), positions.data_ptr(), step.cos_table.data_ptr(), step.sin_table.data_ptr(),
+            step.cos_table.shape[0], keys.data_ptr(), values.data_ptr(), keys.shape[2], step.start, step.committed,
+            None if attend is None else attend.data_ptr(), H, KV, hd, self._scratch.data_ptr(),
+        )
+        if status:
+            raise (MemoryError if status == 4 else ValueError)(native.ROPE_ATTENTION_ERRORS[status])
 
     def silu_mul(self, gu):
         _check_fp32(gu, "gate/up")

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import LAYER_OPS, KernelTable, Matmul, check_usable, layer_ops_shape
-from .layer_ops import TORCH, Step, TorchLayerOps, make_layer_ops
+from .layer_ops import TORCH, NativeLayerOps, Step, TorchLayerOps, make_layer_ops
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "phi3"}  # decoder layers of Llama's math (see fast_path_refusal)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the attention kinds
@@ -334,6 +334,7 @@ class LlamaTreeLM(TreeLM):
         self._ops_torch = TorchLayerOps(n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
         self._ops = {TORCH: self._ops_torch}  # implementation name -> instance
         self._ops_by_rows: dict[int, object] = {}  # row count -> instance
+        self._fused: dict[int, tuple[int, ...] | None] = {}  # row count -> matmul threads of the one-call layer, or None
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -359,6 +360,31 @@ class LlamaTreeLM(TreeLM):
                                                        eps=self.eps)
             self._ops_by_rows[m] = ops
         return ops
+
+    def fused_threads(self, m: int, ops) -> tuple[int, ...] | None:
+        """Thread counts of the qkv, o, gate_up and down matmuls when a forward of m rows can run each
+        layer as one native call (`NativeLayerOps.decoder_layer`): the native layer ops and a native
+        kernel for all four classes at m rows (the table's padding is not applied there: a native
+        kernel gives a row the same bits at any row count). None otherwise."""
+        if not isinstance(ops, NativeLayerOps):
+            return None
+        if m not in self._fused:
+            threads = tuple(self.mm[c].native_threads(m) for c in ("qkv", "o", "gate_up", "down"))
+            self._fused[m] = None if None in threads else threads
+        return self._fused[m]
+
+    def _layers_fused(self, x, step: Step, keys, values, ops, threads):
+        """`_layers` with each decoder layer as one native call; x [1, m, dim] contiguous, updated in place."""
+        feats: dict[int, torch.Tensor] = {}
+        mm = self.mm
+        for i, L in enumerate(self.layers):
+            ops.decoder_layer(x, ln1=L["ln1"], ln2=L["ln2"], bias=L["bqkv"], threads=threads, step=step, keys=keys[i], values=values[i],
+                              weights=tuple(mm[c].weights[i].packed for c in ("qkv", "o", "gate_up", "down")))
+            if i in self.feature_layers:
+                feats[i] = x.clone()  # the output of layer i
+        x, h = ops.add_rmsnorm(x, None, self.norm)
+        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else None  # [1, m, n_feat * dim]
+        return h, features
 
     def _layers(self, x, step: Step, keys, values, ops):
         """The decoder layers and the final norm over B sequences of m new tokens: x [B, m, dim] the
@@ -394,7 +420,12 @@ class LlamaTreeLM(TreeLM):
                     mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin,
                     window_mask=None if window is None else window[None, None])
         x = F.embedding(tokens, self.embed).float()[None]  # [1, m, dim]
-        h, features = self._layers(x, step, c.keys, c.values, self._ops_torch if window is not None else self.layer_ops(m))
+        ops = self._ops_torch if window is not None else self.layer_ops(m)
+        threads = self.fused_threads(m, ops)
+        if threads is not None:
+            h, features = self._layers_fused(x, step, c.keys, c.values, ops, threads)
+        else:
+            h, features = self._layers(x, step, c.keys, c.values, ops)
         h = h[0]  # [m, dim]
         if logits_rows is not None:
             h = h[logits_rows]

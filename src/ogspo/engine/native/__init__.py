@@ -1,7 +1,7 @@
 """The engine's own CPU kernels, compiled on first use: the small-row fp32 GEMM (`gemm.c`), its bf16
-twin for CPUs with AVX512-BF16 (`gemm_bf16.c`: bf16 weights and inputs, fp32 sums and output) and the
+twin for CPUs with AVX512-BF16 (`gemm_bf16.c`: bf16 weights and inputs, fp32 sums and output), the
 fused non-matmul work of a decoder layer (`ops.c`: residual + RMSNorm, rotary embedding + cache
-write + tree attention, SiLU-gate).
+write + tree attention, SiLU-gate), and a whole decoder layer chaining them in one call (`layer.c`).
 
 The C sources are built with the machine's C compiler for the machine it runs on (`-march=native`,
 so AVX-512 where the CPU has it, AVX2 otherwise; `OGSPO_NATIVE_MARCH=x86-64-v3` builds the AVX2
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm.c", "gemm_bf16.c", "ops.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm.c", "gemm_bf16.c", "ops.c", "layer.c"))
 _CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _state: dict = {}
 
@@ -102,6 +102,9 @@ def load():
         lib.ogspo_rope_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
                                              ctypes.c_int]
         lib.ogspo_rope_attention.restype = ctypes.c_int  # a status code (ROPE_ATTENTION_ERRORS)
+        lib.ogspo_decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr,
+                                            ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr]
+        lib.ogspo_decoder_layer.restype = ctypes.c_int  # 0 or a ROPE_ATTENTION_ERRORS code
         _state["reason"] = None
         _state["vector_width"] = lib.ogspo_vector_width()
         assert lib.ogspo_ops_vector_width() == _state["vector_width"]
