@@ -116,7 +116,8 @@ def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.part")
-    env = dict(os.environ, PYTHONPATH=str(src_root / "gguf-py"))
+    # llama.cpp's gguf-py first, then the caller's PYTHONPATH (where sentencepiece may live outside the venv)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(src_root / "gguf-py"), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, str(src_root / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
                            "--outfile", str(tmp)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:

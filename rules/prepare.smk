@@ -5,7 +5,7 @@ rule prepare_model:
     output:
         directory(f"{RESULTS}/model"),
     params:
-        config=config_json(config, "model", "dtype"),
+        config=config_json(config, "model", "dtype", "torch_device"),
     log:
         f"{RESULTS}/logs/prepare_model.log",
     threads: 2

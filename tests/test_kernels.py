@@ -280,3 +280,4 @@ def test_auto_measures_and_picks_bf16_where_it_is_faster():
     model = tiny_model(0, hidden=256, layers=2).float()
     c = choose_dtype(model)
     assert c["dtype"] == ("bfloat16" if c["bf16_ms"] < c["fp32_ms"] else "float32") and "ms" in c["why"]
+    assert choose_dtype(model, device="cuda")["dtype"] == "float32"  # auto measures CPU kernels only

@@ -94,8 +94,8 @@ def _add_prepare_model(p: argparse.ArgumentParser) -> None:
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("model", "dtype"))
-    prepared = prepare_model(source=cfg["model"], out_dir=args.out, dtype=cfg["dtype"])
+    cfg = _load_config(args, ("model", "dtype", "torch_device"))
+    prepared = prepare_model(source=cfg["model"], out_dir=args.out, dtype=cfg["dtype"], device=cfg["torch_device"])
     print(f"prepared {prepared.source} -> {prepared.path} (sha256 {prepared.checksum[:16]}..., "
           f"source load {prepared.load_seconds:.1f} s)")
     return 0

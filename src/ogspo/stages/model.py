@@ -142,7 +142,7 @@ def weights_checksum(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def choose_dtype(model, reps: int = 7) -> dict:
+def choose_dtype(model, reps: int = 7, device: str = "cpu") -> dict:
     """bfloat16 or float32 for `model` (fp32 weights) on this CPU: every 2-D weight of its decoder
     layers and LM head multiplied by one row with the engine's native fp32 and bf16 kernels, in turn,
     `reps` times (medians). bf16 needs the native bf16 kernel (AVX512-BF16) and must measure faster.
@@ -150,6 +150,8 @@ def choose_dtype(model, reps: int = 7) -> dict:
     import numpy as np
     import torch
 
+    if device != "cpu":
+        return {"dtype": "float32", "why": f"auto measures CPU kernels only; on {device} set dtype to bfloat16 to run bf16"}
     if not native.bf16_available():
         why = native.unavailable_reason() or f"no native bf16 kernel here (no avx512_bf16 in the CPU flags, or ${native.NO_BF16} set)"
         return {"dtype": "float32", "why": why}
@@ -183,9 +185,9 @@ def runtime_dtype(dtype: str, device: str = "cpu") -> str:
     return dtype
 
 
-def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO) -> PreparedModel:
+def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO, device: str = "cpu") -> PreparedModel:
     """Load the model source and save it as a safetensors folder at ``out_dir`` (atomically), in
-    `dtype` (`auto`: `choose_dtype` measures)."""
+    `dtype` (`auto`: `choose_dtype` measures, for the CPU; on another `device` (torch_device) it is float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
@@ -209,7 +211,7 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO) -> Prepa
     if "path" in source and _linkable(Path(name_or_path)):
         choice = None
         if dtype == AUTO:  # measured on the folder's weights; the links stay, the manifest's dtype says how to load them
-            choice = choose_dtype(AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype))
+            choice = choose_dtype(AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype), device=str(device).split(":")[0])
             dtype = choice["dtype"]
         return _prepare_in_place(Path(name_or_path), out_dir=out_dir, source=source, desc=desc, dtype=dtype,
                                  extra={"dtype_requested": requested, **({"dtype_choice": choice} if choice else {})})
@@ -225,7 +227,7 @@ def prepare_model(*, source: Mapping, out_dir: Path, dtype: str = AUTO) -> Prepa
 
     choice = None
     if requested == AUTO:
-        choice = choose_dtype(model)
+        choice = choose_dtype(model, device=str(device).split(":")[0])
         dtype = choice["dtype"]
         model.to(_torch_dtype(dtype))
 
