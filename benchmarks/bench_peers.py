@@ -3,8 +3,9 @@
     PATH=.venv/bin:$PATH python benchmarks/bench_peers.py [--prompts 3] [--repeats 2] [--write]
 
 Needs a finished default run (results/cpu: the prepared model, the eval prompts, the trained head,
-the tuned EAGLE-3 trees, Sequoia's tree and the OGSPO policy) and `sentencepiece` (`pip install
-sentencepiece`, for llama.cpp's converter). Not part of `make test`: the first run compiles llama.cpp
+the tuned EAGLE-3 trees, Sequoia's tree and the OGSPO policy) and `sentencepiece` for llama.cpp's
+converter, kept out of the venv (it brings a second libgomp): `pip install --target DIR sentencepiece`,
+then run with `PYTHONPATH=DIR` (the converter's subprocess keeps it). Not part of `make test`: the first run compiles llama.cpp
 for minutes (`llamacpp.build_llama_cpp`, cached under ~/.cache/ogspo/peers).
 
 1. `llama-bench -t THREADS -p 128 -n 128 -r 3` on three files of the same weights: the shipped Q4_1

@@ -134,3 +134,15 @@ def test_fused_weights_are_the_models_own_single_copy():
     assert hf_greedy(model, PROMPTS[0], 12) == before
     engine = SpeculativeEngine(target=target, policy=chain(3), drafter=LMDrafter(build_tree_lm(tiny_model(1), max_len=64)))
     assert engine.generate(PROMPTS[0], max_new_tokens=12).tokens == before
+
+
+def test_activations_keep_the_weights_dtype_except_half_precision():
+    """fp32 and fp64 targets compute in their own dtype (no casts around the matmuls); bf16 weights get fp32
+    activations, cache and logits."""
+    from ogspo.engine.target import LlamaTreeLM
+
+    for dtype, act in ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        lm = LlamaTreeLM(tiny_model(0).to(dtype), max_len=16)
+        out = lm.prefill([3, 7, 11])
+        assert lm.act_dtype == act and lm.cache.keys[0].dtype == act and out.logits.dtype == act, dtype
+        assert lm.norm.dtype == act and lm.layers[0]["ln1"].dtype == act

@@ -301,7 +301,7 @@ class LlamaTreeLM(TreeLM):
         self.feature_layers = tuple(feature_layers)
         layer_types, self.window = attention_layout(cfg)
         self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight.float()
+        self.norm = inner.norm.weight.to(self.act_dtype)
         self.lm_head = hf_model.lm_head.weight
         self.layers = []
         fused = {c: [] for c in ("qkv", "o", "gate_up", "down")}
@@ -312,9 +312,9 @@ class LlamaTreeLM(TreeLM):
                 fused["o"].append(w["o"])  # [dim, H * hd]
                 fused["gate_up"].append(w["gate_up"])  # [2 * inter, dim]
                 fused["down"].append(w["down"])  # [dim, inter]
-                f32 = lambda t: None if t is None else t.float()  # noqa: E731 (no copy for fp32 weights)
-                self.layers.append(dict(ln1=f32(w["ln1"]), bqkv=f32(w["bqkv"]), ln2=f32(w["ln2"]),
-                                        qk_norm=None if w["qk_norm"] is None else tuple(map(f32, w["qk_norm"])),
+                act = lambda t: None if t is None else t.to(self.act_dtype)  # noqa: E731 (no copy when the dtypes agree)
+                self.layers.append(dict(ln1=act(w["ln1"]), bqkv=act(w["bqkv"]), ln2=act(w["ln2"]),
+                                        qk_norm=None if w["qk_norm"] is None else tuple(map(act, w["qk_norm"])),
                                         sliding=layer_types[i] == SLIDING))
         # QK-norm and windows are torch ops only: the native ops do neither
         self.torch_ops_only = any(L["qk_norm"] is not None for L in self.layers)
@@ -419,7 +419,7 @@ class LlamaTreeLM(TreeLM):
         step = Step(positions=positions[None], start=start, committed=committed, attend=attend,
                     mask=None if mask is None else mask[None, None], cos_table=self.cos, sin_table=self.sin,
                     window_mask=None if window is None else window[None, None])
-        x = F.embedding(tokens, self.embed).float()[None]  # [1, m, dim]
+        x = F.embedding(tokens, self.embed).to(self.act_dtype)[None]  # [1, m, dim]
         ops = self._ops_torch if window is not None else self.layer_ops(m)
         threads = self.fused_threads(m, ops)
         if threads is not None:
@@ -457,7 +457,7 @@ class LlamaTreeLM(TreeLM):
             window = mask & near[:, None]  # a padding row (position 0) still sees itself
         step = Step(positions=positions, start=start, committed=0, attend=None, mask=mask, cos_table=self.cos, sin_table=self.sin,
                     window_mask=window)
-        x = F.embedding(tokens, self.embed).float()  # [B, m, dim]
+        x = F.embedding(tokens, self.embed).to(self.act_dtype)  # [B, m, dim]
         h, features = self._layers(x, step, cache.keys, cache.values, self._ops_torch)
         cache.length = start + m
         return ForwardOut(logits=self.mm["lm_head"](0, h), features=features)
