@@ -20,7 +20,6 @@ import argparse
 import copy
 import datetime as dt
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,13 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import SPEC_METHODS, dag_best, run_head  # noqa: E402
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, paired_tables, write_section  # noqa: E402
 
 from ogspo.engine import native  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.methods.registry import make_target  # noqa: E402
 from ogspo.stages.calibrate import calibrate_device_kernels  # noqa: E402
-from ogspo.stages.compare import ratio_intervals  # noqa: E402
 from ogspo.stages.config import load_config  # noqa: E402
 from ogspo.stages.evaluate import evaluate_methods, load_prompts, method_specs, pair_seed, slot_order  # noqa: E402
 from ogspo.stages.model import load_target, read_manifest  # noqa: E402
@@ -111,11 +109,7 @@ RATIOS = (("bf16-best", "fp32-best"), ("bf16-ar", "fp32-ar"), ("bf16-best", "fp3
 
 
 def render(df: pl.DataFrame, best: dict, tables: dict, *, args, seconds: float, manifest: dict) -> str:
-    methods = list(dict.fromkeys(df["method"].to_list()))
-    workloads = list(dict.fromkeys(df["workload"].to_list()))
-    sel = lambda m, w: df.filter((pl.col("method") == m) & (pl.col("workload") == w))  # noqa: E731
-    med = {(m, w): statistics.median(sel(m, w)["throughput"].to_list()) for m in methods for w in workloads if sel(m, w).height}
-    ratios = {f"{m} / {b}": ratio_intervals(df, m, b, seed=args.seed) for m, b in RATIOS if m in methods and b in methods}
+    tables, _, _ = paired_tables(df, RATIOS, seed=args.seed)
     same = {}
     for unit in DTYPES:
         ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == f"{unit}-ar").iter_rows(named=True)}
@@ -137,18 +131,8 @@ def render(df: pl.DataFrame, best: dict, tables: dict, *, args, seconds: float, 
         f"- best method per workload (the DAG's evaluate, T=0): {', '.join(f'{w}: {m}' for w, m in best.items())}",
         "- kernel tables: " + "; ".join(f"{k}: {t.key.get('dtype')}, {t.meta.get('seconds', '?')} s of timing" for k, t in tables.items()),
         "",
-        "Complete-request throughput, median tokens/s:",
-        "",
-        "| method | " + " | ".join(workloads) + " |",
-        "|---|" + "---:|" * len(workloads),
+        *tables,
     ]
-    for m in methods:
-        lines.append(f"| {m} | " + " | ".join(f"{med[(m, w)]:.1f}" if (m, w) in med else "" for w in workloads) + " |")
-    lines += ["", "Paired ratios (geometric mean of per-request ratios, 95% bootstrap interval):", "",
-              "| ratio | pooled | " + " | ".join(workloads) + " |", "|---|---:|" + "---:|" * len(workloads)]
-    for name, r in ratios.items():
-        cells = [f"{r['cells'][(w, 0.0)].ratio:.3f}" if (w, 0.0) in r["cells"] else "" for w in workloads]
-        lines.append(f"| {name} | {r['pooled'].text()} | " + " | ".join(cells) + " |")
     lines += ["", "Lossless: " + "; ".join(f"{k} best method = {k} AR token for token on {a}/{n} requests" for k, (a, n) in same.items())]
     return "\n".join(lines)
 

@@ -32,7 +32,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ import polars as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, paired_tables, write_section  # noqa: E402
 from llamacpp import (  # noqa: E402
     LlamaServer,
     build_info,
@@ -55,7 +54,6 @@ from llamacpp import (  # noqa: E402
 from ogspo.artifacts.latency import LatencyModel  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
-from ogspo.stages.compare import ratio_intervals  # noqa: E402
 from ogspo.stages.evaluate import evaluate_methods, load_prompts, method_specs, pair_seed, slot_order  # noqa: E402
 from ogspo.stages.model import load_target, read_manifest, resolve_gguf  # noqa: E402
 
@@ -198,13 +196,7 @@ RATIOS = (  # (method, baseline): the goal, the moonshot, and what else a reader
 def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_dir: Path, files: dict,
            seconds: float) -> tuple[str, dict]:
     methods = list(dict.fromkeys(df["method"].to_list()))
-    workloads = list(dict.fromkeys(df["workload"].to_list()))
-    med = {(m, w): statistics.median(df.filter((pl.col("method") == m) & (pl.col("workload") == w))["throughput"].to_list())
-           for m in methods for w in workloads if df.filter((pl.col("method") == m) & (pl.col("workload") == w)).height}
-    ratios = {}
-    for m, b in RATIOS:
-        if m in methods and b in methods:
-            ratios[f"{m} / {b}"] = ratio_intervals(df, m, b, seed=args.seed)
+    tables, med, ratios = paired_tables(df, RATIOS, seed=args.seed)
     ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == "ogspo-ar").iter_rows(named=True)}
     same = {}
     for m in (m for m in methods if m.startswith("llama.cpp")):
@@ -239,15 +231,7 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
     for name in dict.fromkeys(b.model for b in bench):
         cells = {b.test: f"{b.tokens_per_second:.1f} ± {b.stddev:.1f}" for b in bench if b.model == name}
         lines.append(f"| `{name}` | {cells.get('pp128', '')} | {cells.get('tg128', '')} |")
-    lines += ["", "Complete-request throughput, median tokens/s per workload:", "",
-              "| method | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
-    for m in methods:
-        lines.append(f"| {m} | " + " | ".join(f"{med[(m, w)]:.1f}" if (m, w) in med else "" for w in workloads) + " |")
-    lines += ["", "Paired ratios (geometric mean of per-request ratios, 95% bootstrap interval):", "",
-              "| ratio | pooled | " + " | ".join(workloads) + " |", "|---|---:|" + "---:|" * len(workloads)]
-    for name, r in ratios.items():
-        cells = [f"{r['cells'][(w, 0.0)].ratio:.3f}" if (w, 0.0) in r["cells"] else "" for w in workloads]
-        lines.append(f"| {name} | {r['pooled'].text()} | " + " | ".join(cells) + " |")
+    lines += ["", *tables]
     lines += ["", f"T=0 tokens against ogspo's AR ({args.dtype}), per request: equal, or the first index where they differ:", ""]
     for m, s in same.items():
         lines.append(f"- {m}: {s['equal']}/{s['n']} equal; first divergence at {s['first_divergence'] or 'none'}"

@@ -28,6 +28,32 @@ def head_dirs(specs: list[str], error) -> dict[str, Path]:
     return heads
 
 
+def paired_tables(df, pairs, *, seed: int = 0) -> tuple[list[str], dict, dict]:
+    """Two markdown tables of a T=0 request frame (columns method, workload, throughput and the slot
+    keys): median complete-request tokens/s per method and workload, and the paired ratios
+    (`stages.compare.ratio_intervals`) of every (method, baseline) in `pairs` that ran. Returns
+    (lines, medians {(method, workload): tokens/s}, ratios {"method / baseline": intervals})."""
+    import polars as pl
+
+    from ogspo.stages.compare import ratio_intervals
+
+    methods = list(dict.fromkeys(df["method"].to_list()))
+    workloads = list(dict.fromkeys(df["workload"].to_list()))
+    sel = lambda m, w: df.filter((pl.col("method") == m) & (pl.col("workload") == w))  # noqa: E731
+    med = {(m, w): statistics.median(sel(m, w)["throughput"].to_list()) for m in methods for w in workloads if sel(m, w).height}
+    ratios = {f"{m} / {b}": ratio_intervals(df, m, b, seed=seed) for m, b in pairs if m in methods and b in methods}
+    lines = ["Complete-request throughput, median tokens/s per workload:", "",
+             "| method | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(f"{med[(m, w)]:.1f}" if (m, w) in med else "" for w in workloads) + " |")
+    lines += ["", "Paired ratios (geometric mean of per-request ratios, 95% bootstrap interval):", "",
+              "| ratio | pooled | " + " | ".join(workloads) + " |", "|---|---:|" + "---:|" * len(workloads)]
+    for name, r in ratios.items():
+        cells = [f"{r['cells'][(w, 0.0)].ratio:.3f}" if (w, 0.0) in r["cells"] else "" for w in workloads]
+        lines.append(f"| {name} | {r['pooled'].text()} | " + " | ".join(cells) + " |")
+    return lines, med, ratios
+
+
 def markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
