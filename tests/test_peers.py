@@ -17,6 +17,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_peers  # noqa: E402
 import llamacpp  # noqa: E402
 
+from ogspo.stages.compare import ratio_intervals  # noqa: E402
+
 
 @pytest.mark.parametrize("name", ["completion.json", "completion_lookup.json"])  # AR, and n-gram lookup decoding
 def test_completion_response_parses_to_tokens_and_complete_request_seconds(name):
@@ -79,6 +81,6 @@ def test_best_method_comes_from_the_dag_and_pairs_request_by_request(tmp_path):
     df = bench_peers.with_best(pl.DataFrame(rows), best)
     picked = df.filter(pl.col("method") == "ogspo-best").sort("workload")
     assert picked["throughput"].to_list() == [15.0, 15.0, 10.0, 10.0]  # a: sequoia 1.5x, b: eagle-tuned 0.5x
-    r = bench_peers.ratio_intervals(df, "ogspo-best", "llama.cpp-f32")
+    r = ratio_intervals(df, "ogspo-best", "llama.cpp-f32")
     assert r["cells"][("a", 0.0)].ratio == pytest.approx(1.5) and r["cells"][("b", 0.0)].ratio == pytest.approx(0.5)
     assert r["pooled"].ratio == pytest.approx(math.sqrt(1.5 * 0.5)) and r["pooled"].n == 4
