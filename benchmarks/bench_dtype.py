@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import SPEC_METHODS, dag_best, run_head  # noqa: E402
-from benchdoc import REPO, cpu_model, paired_tables, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, git_commit, paired_tables, write_section  # noqa: E402
 
 from ogspo.engine import native  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
@@ -115,7 +115,7 @@ def render(df: pl.DataFrame, best: dict, tables: dict, *, args, seconds: float, 
         ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == f"{unit}-ar").iter_rows(named=True)}
         mine = df.filter(pl.col("method") == f"{unit}-best")
         same[unit] = (sum(r["tokens"] == ref[(r["workload"], r["prompt_id"], r["repeat"])] for r in mine.iter_rows(named=True)), mine.height)
-    commit = os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()
+    commit = git_commit()
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_dtype.py " + " ".join(sys.argv[1:])
     n_req = df.filter(pl.col("method") == "fp32-ar").height
     lines = [

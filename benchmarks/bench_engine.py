@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, stats, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, git_commit, stats, write_section  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -233,7 +233,7 @@ def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
     from ogspo.engine.kernels import describe
 
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_engine.py " + " ".join(sys.argv[1:])
-    commit = os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()
+    commit = git_commit()
     L = [
         "## Engine in fp32 and bf16 vs transformers, SmolLM2-135M (`benchmarks/bench_engine.py`)",
         "",

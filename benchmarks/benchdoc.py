@@ -17,6 +17,11 @@ def stats(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
+def git_commit() -> str:
+    """The short hash of the checkout the benchmark runs (its sections name it)."""
+    return os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()
+
+
 def head_dirs(specs: list[str], error) -> dict[str, Path]:
     """--head NAME=DIR arguments as {name: drafter folder}; `error` (ArgumentParser.error) on a bad one."""
     heads = {}

@@ -17,14 +17,16 @@ Classes: `qkv` (fused Q/K/V), `o`, `gate_up` (fused), `down`, `lm_head`. Candida
 - `native1`, `native2`, ...: the engine's own GEMM (`ogspo.engine.native`) on 1, 2, ... threads
 
 Numerics: every candidate computes the same product in fp32 with its own summation order, so two
-candidates differ in the last bits. A bf16 weight (a bf16 target) takes fp32 rows and gives fp32 rows:
-the rows are rounded to bf16 and the sums run in fp32 (`native*`: AVX512-BF16, fp32 output; torch's
-candidates: oneDNN's bf16 product, its output rounded to bf16 and widened back). For bf16 the
-calibration refuses every candidate that is not batch-invariant (`batch_invariant`): bf16 rounding
-makes near-ties common, so a row's logits must not depend on the tree size. `native*` gives a row the same bits whatever the row count
+candidates differ in the last bits. `native*` gives a row the same bits whatever the row count
 (batch-invariant); the others may not. The engine stays lossless either way (the verifier's
 result only depends on the logits it is given; a greedy flip against the 1-row step can happen
 only on a near-tie, which `engine.lossless.compare_greedy` tells apart from a bug).
+
+A bf16 weight (a bf16 target) takes fp32 rows and gives fp32 rows: the rows are rounded to bf16 and
+the sums run in fp32 (`native*`: AVX512-BF16, fp32 output; torch's candidates: oneDNN's bf16
+product, its output rounded to bf16 and widened back). For bf16 the calibration admits only kernels
+that give every row the native kernel's bits at every row count (`batch_invariant`): bf16 rounding
+makes near-ties common, so a row's logits must not depend on the tree size or the kernel picked.
 
 The table has one more entry, `layer_ops`: which implementation of a layer's non-matmul work
 (`engine.layer_ops`: `torch`, or the native ops on 1, 2, ... threads) runs a single-sequence

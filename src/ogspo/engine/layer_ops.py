@@ -128,6 +128,7 @@ class NativeLayerOps:
         self.name = f"native{threads}"
         self._lib = lib
         self._scratch: torch.Tensor | None = None  # decoder_layer's work space, grown on demand
+        self._counts: dict[tuple[int, ...], ctypes.Array] = {}  # decoder_layer's thread counts as C arrays
 
     def add_rmsnorm(self, x, r, w):
         """In place on x [1, m, dim] (contiguous): x += r; returns (x, rmsnorm(x) * w)."""
@@ -200,7 +201,9 @@ class NativeLayerOps:
         size = m * (3 * dim + (H + 2 * KV) * hd + H * hd + 3 * inter)
         if self._scratch is None or self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.float32, device="cpu")
-        counts = (ctypes.c_int32 * 5)(*threads, self.threads)
+        counts = self._counts.get(threads)
+        if counts is None:  # the C array of thread counts, once per combination
+            counts = self._counts[threads] = (ctypes.c_int32 * 5)(*threads, self.threads)
         status = self._lib.ogspo_decoder_layer(
             x.data_ptr(), m, dim, inter, ln1.data_ptr(), ln2.data_ptr(), self.eps, qkv_w.data.data_ptr(), o_w.data.data_ptr(),
             gu_w.data.data_ptr(), down_w.data.data_ptr(), int(qkv_w.dtype == torch.bfloat16), counts,

@@ -335,6 +335,7 @@ class LlamaTreeLM(TreeLM):
         self._ops = {TORCH: self._ops_torch}  # implementation name -> instance
         self._ops_by_rows: dict[int, object] = {}  # row count -> instance
         self._fused: dict[int, tuple[int, ...] | None] = {}  # row count -> matmul threads of the one-call layer, or None
+        self._packed: list[tuple] | None = None  # per layer: the packed qkv, o, gate_up, down (built on the first one-call forward)
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -376,10 +377,11 @@ class LlamaTreeLM(TreeLM):
     def _layers_fused(self, x, step: Step, keys, values, ops, threads):
         """`_layers` with each decoder layer as one native call; x [1, m, dim] contiguous, updated in place."""
         feats: dict[int, torch.Tensor] = {}
-        mm = self.mm
+        if self._packed is None:
+            self._packed = [tuple(self.mm[c].weights[i].packed for c in ("qkv", "o", "gate_up", "down")) for i in range(len(self.layers))]
         for i, L in enumerate(self.layers):
             ops.decoder_layer(x, ln1=L["ln1"], ln2=L["ln2"], bias=L["bqkv"], threads=threads, step=step, keys=keys[i], values=values[i],
-                              weights=tuple(mm[c].weights[i].packed for c in ("qkv", "o", "gate_up", "down")))
+                              weights=self._packed[i])
             if i in self.feature_layers:
                 feats[i] = x.clone()  # the output of layer i
         x, h = ops.add_rmsnorm(x, None, self.norm)
