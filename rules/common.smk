@@ -27,9 +27,10 @@ TIMING_THREADS = workflow.cores if isinstance(workflow.cores, int) and workflow.
 # Memory of a model rule scales with the prepared weights: lambda wildcards, input: model_memory_mb(input.model, extra).
 # Every stage that decodes or times the target runs it with the device's kernel table (rule calibrate_kernels).
 KERNELS = f"{RESULTS}/kernels/kernels.json"
-# The draft heads by label: the train_drafter head, and its GTO fine-tune (rule train_gto) when
-# drafter.gto.enabled. Every stage that drafts uses the GTO head when there is one.
-HEADS = {"base": f"{RESULTS}/drafter"}
+# The draft heads by label: the train_drafter head (or the EAGLE-3 head at drafter.path, and then
+# train_drafter does not run), and its GTO fine-tune (rule train_gto) when drafter.gto.enabled.
+# Every stage that drafts uses the GTO head when there is one.
+HEADS = {"base": os.path.expanduser(config["drafter"]["path"]) if config["drafter"]["path"] else f"{RESULTS}/drafter"}
 if config["drafter"]["gto"]["enabled"]:
     HEADS["gto"] = f"{RESULTS}/drafter_gto"
 drafter_input = lambda wildcards: HEADS.get("gto", HEADS["base"])

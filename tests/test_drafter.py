@@ -1,16 +1,15 @@
 """EAGLE-3-style head: training-time-test attention equals what drafting does, the drafter is
 lossless in the engine, and a head for another target is refused."""
 
-import json
 
 import numpy as np
 import pytest
 import torch
 from engine_helpers import hf_annotate, hf_greedy, make_head, tiny_model
-from safetensors.torch import save_file
 
-from ogspo.drafter.head import EagleHead
-from ogspo.drafter.runtime import META, WEIGHTS, EagleDrafter, load_head
+from ogspo.drafter.head import EagleHead, ttt_attention
+from ogspo.drafter.runtime import EagleDrafter, load_head
+from ogspo.drafter.train import write_head
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import ForwardOut, build_tree_lm
@@ -42,6 +41,23 @@ def test_ttt_steps_match_drafting():
     np.testing.assert_allclose(exp2.logq[0], ref2.values.double().numpy(), atol=1e-4)
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_ttt_attention_equals_the_dense_tree_mask(depth):
+    """Step j's attention (causal block up to the root, one ancestor row per deeper step) equals
+    attention over all steps' rows with EAGLE-3's dense [T, jT] mask."""
+    g = torch.Generator().manual_seed(depth)
+    B, H, KV, T, hd = 2, 4, 2, 9, 8
+    q = torch.randn(B, H, T, hd, generator=g)
+    keys = [torch.randn(B, KV, T, hd, generator=g) for _ in range(depth)]
+    values = [torch.randn(B, KV, T, hd, generator=g) for _ in range(depth)]
+    t = torch.arange(T)
+    blocks = [t[None, :] <= t[:, None] - depth + 1] + [t[None, :] == t[:, None] - depth + i for i in range(2, depth + 1)]
+    mask = torch.cat(blocks, dim=1)  # [T, depth*T]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(ttt_attention(q, keys, values), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_eagle_drafter_is_lossless_and_replayable(temperature):
     target_model = tiny_model(0)
@@ -64,13 +80,12 @@ def test_eagle_drafter_is_lossless_and_replayable(temperature):
 def test_head_for_another_target_is_refused(tmp_path):
     target = tiny_model(0).float()
     head = make_head(target)
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / WEIGHTS))
-    (tmp_path / META).write_text(json.dumps({"target_checksum": "abc123", "head": head.cfg.to_dict()}))
-    load_head(tmp_path, target_model=target, target_checksum="abc123")
+    write_head(head, {"target_checksum": "abc123"}, tmp_path / "head", target_config=target.config)
+    load_head(tmp_path / "head", target_model=target, target_checksum="abc123")
     with pytest.raises(ValueError, match="was trained for target"):
-        load_head(tmp_path, target_model=target, target_checksum="ffff0000")
-    with pytest.raises(ValueError, match="expects a target with vocab"):
-        load_head(tmp_path, target_model=tiny_model(0, vocab=80).float(), target_checksum=None)
+        load_head(tmp_path / "head", target_model=target, target_checksum="ffff0000")
+    with pytest.raises(ValueError, match="head for a vocabulary of 64 tokens, the target has 80"):
+        load_head(tmp_path / "head", target_model=tiny_model(0, vocab=80).float(), target_checksum=None)
 
 
 def test_a_retrained_head_in_the_same_folder_is_another_drafter(tmp_path):
@@ -79,10 +94,9 @@ def test_a_retrained_head_in_the_same_folder_is_another_drafter(tmp_path):
     ids = []
     for seed in (0, 1):
         head = make_head(target, seed=seed)
-        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / WEIGHTS))
-        (tmp_path / META).write_text(json.dumps({"target_checksum": "abc123", "head": head.cfg.to_dict()}))
-        ids.append(load_head(tmp_path, target_model=target)[1]["id"])
-    assert ids[0] != ids[1] and all(i.startswith(tmp_path.name + "-") for i in ids)
+        write_head(head, {"target_checksum": "abc123"}, tmp_path / "head", target_config=target.config)
+        ids.append(load_head(tmp_path / "head", target_model=target)[1]["id"])
+    assert ids[0] != ids[1] and all(i.startswith("head-") for i in ids)
 
 
 def test_packed_generation_equals_greedy_and_teacher_forcing():

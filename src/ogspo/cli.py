@@ -9,6 +9,7 @@ them in ``COMMANDS``. Commands read config via ``--config FILE...`` (people) or 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from ogspo.stages.evaluate import (
     write_evaluation,
 )
 from ogspo.stages.export_policy import run_export_policy
+from ogspo.stages.export_tree import export_trees, write_export
 from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
 from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
 from ogspo.stages.records import collect_records, read_calib_table
@@ -71,8 +73,6 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_config(args: argparse.Namespace, sections: tuple[str, ...]) -> dict:
-    import json
-
     if args.config_json is not None:
         try:
             source = json.loads(args.config_json)
@@ -287,7 +287,6 @@ def _add_summarize_records(p: argparse.ArgumentParser) -> None:
 
 
 def _run_summarize_records(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import asdict
 
 
@@ -648,6 +647,20 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_tree(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", required=True, type=Path, help="a run's results folder (results/DEVICE)")
+    p.add_argument("--temperatures", nargs="+", default=["T0", "T1"], help="temperature tags (T0, T1)")
+    p.add_argument("--out", type=Path, help="also write the settings here as JSON")
+
+
+def _run_export_tree(args: argparse.Namespace) -> int:
+    doc = export_trees(args.results, args.temperatures)
+    if args.out:
+        write_export(doc, args.out)
+    print(json.dumps(doc, indent=1))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
     "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
@@ -670,6 +683,7 @@ COMMANDS: dict[str, Command] = {
     "tune-eagle": Command("grid-search EAGLE-3 tree settings (and pick the best baseline) on calib prompts", _add_tune_eagle, _run_tune_eagle),
     "evaluate": Command("all methods side by side on eval prompts, with the lossless check", _add_evaluate, _run_evaluate),
     "report": Command("tables and plots from the evaluation", _add_report, _run_report),
+    "export-tree": Command("the shipped tree, Sequoia's and tuned EAGLE-3's as vLLM and SGLang settings", _add_export_tree, _run_export_tree),
 }
 
 

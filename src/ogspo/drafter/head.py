@@ -110,6 +110,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of training-time-test step j = len(keys) (EAGLE-3's TTT): the depth-j node drafted at
+    position t sees the step-1 rows up to its root t-j+1 (the target's features, causal) and one row
+    of each deeper step i = 2..j, its ancestor at t-j+i (the last one itself).
+    q [B, H, T, hd]; keys/values: per step i [B, KV, T, hd]. Returns [B, H, T, hd].
+
+    The ancestors are one row each, so their scores are row-wise dot products beside a causal
+    [T, T] block, rather than a dense [T, jT] mask that is almost all zeros (flash attention's
+    backward over it was a quarter of a training step)."""
+    B, H, T, hd = q.shape
+    j, rep = len(keys), H // keys[0].shape[1]
+
+    def heads(x):  # [B, KV, T, hd] -> [B, H, T, hd] (grouped-query attention)
+        return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+
+    def shifted(x, by):  # row t holds x's row t - by (zeros before the start)
+        return F.pad(x[:, :, : T - by], (0, 0, by, 0)) if by else x
+
+    scale = hd ** -0.5
+    t = torch.arange(T, device=q.device)
+    k1, v1 = heads(keys[0]), heads(values[0])
+    scores = [(q @ k1.transpose(-1, -2) * scale).masked_fill(t[None, :] > t[:, None] - j + 1, float("-inf"))]  # [B, H, T, T]
+    anc_v = []
+    for i in range(2, j + 1):  # the ancestor at t-j+i, absent before the start
+        ki, vi = shifted(heads(keys[i - 1]), j - i), shifted(heads(values[i - 1]), j - i)
+        s = (q.float() * ki.float()).sum(-1, keepdim=True) * scale  # [B, H, T, 1], summed in fp32 under autocast
+        scores.append(s.to(scores[0].dtype).masked_fill((t < j - i)[:, None], float("-inf")))
+        anc_v.append(vi)
+    if j == 1:  # plain causal attention (the row itself is in the block)
+        p = torch.softmax(scores[0].float(), -1).to(q.dtype)
+        return p @ v1
+    p = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)  # [B, H, T, T + j - 1]
+    out = p[..., :T] @ v1  # [B, H, T, hd]
+    for i, vi in enumerate(anc_v):
+        out = out + p[..., T + i, None] * vi
+    return out
+
+
 class HeadKernels:
     """The head's inference matmuls on the target's kernel table (`engine.kernels`), its weights in
     the target's dtype: q/k/v fused as the target's `qkv` class, the gate/up pair as `gate_up`, `o`
@@ -248,22 +286,13 @@ class EagleHead(nn.Module):
         cos, sin = self.rope(pos, feats3.dtype)
         feat = self.fc(feats3)  # [B, T, D]
         keys, values, outs = [], [], []
-        t = torch.arange(T, device=feats3.device)
         for j in range(1, steps + 1):
             if j > 1:  # the parent's output at t-1 is the feature of a depth-j node at t
                 feat = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))
             q, k, v = self.qkv(self.layer_input(next_tokens, feat), cos, sin)
             keys.append(k)
             values.append(v)
-            blocks = [t[None, :] <= (t[:, None] - j + 1)]  # step-1 rows up to the root at t-j+1
-            for i in range(2, j + 1):  # then the ancestor at depth i-1: step-i row at t-j+i
-                blocks.append(t[None, :] == (t[:, None] - j + i))
-            mask = torch.cat(blocks, dim=1)  # [T, j*T]
-            mask[:, (j - 1) * T :] |= torch.eye(T, dtype=torch.bool, device=mask.device)  # always see itself
-            attn = F.scaled_dot_product_attention(
-                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
-            )  # [B, H, T, hd]
-            outs.append(self.finish(feat, attn))
+            outs.append(self.finish(feat, ttt_attention(q, keys, values)))
         return [self.logits(o) for o in outs] if logits else outs
 
     # ------------------------------------------------------------------ inference

@@ -14,16 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from ogspo.engine.drafters import Expansion, Observation, TreeDrafter, accepted_path
 from ogspo.engine.target import ForwardOut, KVCache
 from ogspo.engine.tree import DraftTree
 
-from .head import EagleHead, HeadConfig
+from .eagle3 import CONFIG, WEIGHTS, is_eagle3_folder, load_eagle3
+from .head import EagleHead
 
-WEIGHTS = "head.safetensors"
-META = "drafter.json"
+META = "drafter.json"  # ogspo's provenance beside the EAGLE-3 files: target checksum, recipe, metrics
 
 
 def head_id(path: Path) -> str:
@@ -38,29 +37,23 @@ def head_id(path: Path) -> str:
 
 
 def load_head(path: Path, *, target_model, target_checksum: str | None = None) -> tuple[EagleHead, dict]:
-    """Load a trained head; refuse one trained for another target. `meta["id"]` is `head_id(path)`."""
+    """Load a draft head folder in EAGLE-3's format (`drafter.eagle3`): one ogspo trained (its
+    `drafter.json` names the target, and a head trained for another target is refused) or a published
+    one (no `drafter.json`: vocabulary, sizes and feature layers are checked against the target).
+    `meta["id"]` is `head_id(path)`."""
     path = Path(path)
-    if not (path / META).is_file() or not (path / WEIGHTS).is_file():
-        raise FileNotFoundError(f"drafter folder {path} lacks {META} or {WEIGHTS} (run the train_drafter stage)")
-    meta = json.loads((path / META).read_text())
-    if target_checksum is not None and meta.get("target_checksum") != target_checksum:
+    if not is_eagle3_folder(path):
+        raise FileNotFoundError(f"drafter folder {path} lacks {CONFIG} or {WEIGHTS} of an EAGLE-3 head "
+                                "(run the train_drafter stage, or give a published EAGLE-3 head's folder)")
+    meta = json.loads((path / META).read_text()) if (path / META).is_file() else {"kind": "eagle3-head", "published": True}
+    trained_for = meta.get("target_checksum")
+    if target_checksum is not None and trained_for is not None and trained_for != target_checksum:
         raise ValueError(
-            f"drafter {path} was trained for target {str(meta.get('target_checksum'))[:12]}..., "
-            f"not this target {target_checksum[:12]}..."
+            f"drafter {path} was trained for target {str(trained_for)[:12]}..., not this target {target_checksum[:12]}..."
         )
-    cfg = HeadConfig.from_dict(meta["head"])
-    if cfg.vocab != target_model.config.vocab_size or cfg.hidden != target_model.config.hidden_size:
-        raise ValueError(
-            f"drafter {path} expects a target with vocab {cfg.vocab} and hidden {cfg.hidden}, "
-            f"got {target_model.config.vocab_size} and {target_model.config.hidden_size}"
-        )
-    state = load_file(str(path / WEIGHTS))
-    embed = target_model.get_input_embeddings().weight
-    head = EagleHead(cfg, embed=embed, lm_rows=state["lm_rows"], d2t=state["d2t"])
-    head.load_state_dict(state, strict=True)
-    head.to(embed.device)  # the head runs where the target runs
+    head = load_eagle3(path, target_model=target_model)
     head.eval()
-    return head, {**meta, "id": head_id(path)}
+    return head, {**meta, "head": head.cfg.to_dict(), "id": head_id(path)}
 
 
 class EagleDrafter(TreeDrafter):

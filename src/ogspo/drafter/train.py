@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
@@ -47,7 +46,8 @@ from .data import (
     train_prompts,
 )
 from .head import EagleHead, HeadConfig
-from .runtime import META, WEIGHTS
+from .eagle3 import save_eagle3
+from .runtime import META
 
 
 @dataclass
@@ -298,9 +298,14 @@ def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int, device: torch.dev
     return tuple(t.to(device) for t in (feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]))
 
 
-def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
+def ttt_loss(head: EagleHead, batch, steps: int, decay: float, *, dtype: torch.dtype | None = None, accuracy: bool = True):
+    """The TTT loss (decayed sum over steps), and per step the loss and the top-1 agreement with the
+    target (empty without `accuracy`: an argmax over every logit, wanted only where it is logged).
+    Matmuls under autocast in `dtype` (None: bf16 on CUDA, fp32 elsewhere); weights and the softmax stay fp32."""
     feats, nxt, did, tp, valid, top1 = batch
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=feats.device.type == "cuda"):  # bf16 matmuls on CUDA
+    if dtype is None:
+        dtype = torch.bfloat16 if feats.device.type == "cuda" else torch.float32
+    with torch.autocast(feats.device.type, dtype=dtype, enabled=dtype != torch.float32):
         outs = head.forward_train(feats, nxt, steps)
     total, losses, accs = 0.0, [], []
     for j, logits in enumerate(outs, start=1):
@@ -311,13 +316,40 @@ def ttt_loss(head: EagleHead, batch, steps: int, decay: float):
         loss = (ce * m).sum() / m.sum().clamp(min=1)
         total = total + (decay ** (j - 1)) * loss
         losses.append(float(loss.detach()))
-        pred = head.d2t[logits.argmax(-1)]
-        accs.append(float(((pred == top1) & m).sum() / m.sum().clamp(min=1)))
+        if accuracy:
+            pred = head.d2t[logits.argmax(-1)]
+            accs.append(float(((pred == top1) & m).sum() / m.sum().clamp(min=1)))
     return total, losses, accs
 
 
+TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def choose_train_dtype(head: EagleHead, batch, cfg: dict, reps: int = 2) -> tuple[torch.dtype, dict]:
+    """The dtype of the head's training matmuls: `cfg["train_dtype"]` if named, else (auto) bf16 on
+    CUDA and, on a CPU, the faster of fp32 and bf16 autocast timed on `batch` (forward and backward,
+    after one warm-up each, interleaved): bf16 pays where the CPU computes it (AVX512-BF16, AMX) and
+    is emulated, slower, where it does not. Returns the dtype and the median step seconds of each."""
+    name = cfg["train_dtype"]
+    if name != "auto":
+        return TRAIN_DTYPES[name], {}
+    if batch[0].device.type != "cpu":
+        return torch.bfloat16, {}
+    times: dict[str, list[float]] = {k: [] for k in TRAIN_DTYPES}
+    for r in range(reps + 1):
+        for k, dt in TRAIN_DTYPES.items():
+            t0 = time.perf_counter()
+            loss, _, _ = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dt, accuracy=False)
+            loss.backward()
+            if r:
+                times[k].append(time.perf_counter() - t0)
+    head.zero_grad(set_to_none=True)
+    medians = {k: float(np.median(v)) for k, v in times.items()}
+    return TRAIN_DTYPES[min(medians, key=medians.get)], medians
+
+
 def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: dict, seed: int, start: int, history: list,
-                 checkpoint) -> None:
+                 checkpoint, dtype: torch.dtype) -> None:
     """Steps start..cfg["steps"] of training (appending to `history`), saving a resumable checkpoint
     every `checkpoint_every` steps; checkpoint = (path, run key, numpy generator)."""
     ckpt, run_key, rng = checkpoint
@@ -325,13 +357,14 @@ def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: di
     bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
     for step in bar:
         batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"], head.d2t.device)
-        loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
+        logged = step % 25 == 0 or step == cfg["steps"] - 1
+        loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dtype, accuracy=logged)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        if step % 25 == 0 or step == cfg["steps"] - 1:
+        if logged:
             history.append({"step": step, "loss": losses, "top1": accs})
             bar.set_postfix(loss=f"{losses[0]:.3f}", top1=f"{accs[0]:.3f}")
         if (step + 1) % cfg["checkpoint_every"] == 0 and step + 1 < cfg["steps"]:
@@ -342,26 +375,27 @@ def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: di
             )
 
 
-def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch.Tensor, cfg: dict, batch_tokens: int):
+def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch.Tensor, cfg: dict, batch_tokens: int,
+              dtype: torch.dtype | None = None):
     """Summed held-out TTT losses and top-1 agreements per step, and the number of batches."""
     head.eval()
     with torch.no_grad():
         vl, va, nb = np.zeros(cfg["ttt_steps"]), np.zeros(cfg["ttt_steps"]), 0
         for b in token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens):
             batch = make_batch(seqs, val[b], t2d, cfg["seq_len"], head.d2t.device)
-            _, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"])
+            _, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dtype)
             vl += losses
             va += accs
             nb += 1
     return vl, va, nb
 
 
-def write_head(head: EagleHead, meta: dict, out_dir: Path) -> None:
-    """The drafter folder (weights + drafter.json), built beside `out_dir` and renamed over it."""
+def write_head(head: EagleHead, meta: dict, out_dir: Path, *, target_config) -> None:
+    """The drafter folder: the head in EAGLE-3's format (`drafter.eagle3`) and ogspo's `drafter.json`,
+    built beside `out_dir` and renamed over it."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    state = {k: v.contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS))
+    save_eagle3(head, tmp, target_config=target_config)
     (tmp / META).write_text(json.dumps(meta, indent=1))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -430,24 +464,25 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
             start, history = state["step"], state["history"]
             rng.bit_generator.state = state["rng"]
             torch.set_rng_state(state["torch_rng"])
+    dtype, dtype_timing = choose_train_dtype(head, make_batch(seqs, train[batches[-1]], t2d, cfg["seq_len"], head.d2t.device), cfg)
     t1 = time.perf_counter()
     _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed, start=start,
-                 history=history, checkpoint=(ckpt, run_key, rng))
+                 history=history, checkpoint=(ckpt, run_key, rng), dtype=dtype)
     train_s = time.perf_counter() - t1
 
-    vl, va, nb = _validate(head, seqs, val, t2d, cfg, batch_tokens)
+    vl, va, nb = _validate(head, seqs, val, t2d, cfg, batch_tokens, dtype=dtype)
     n_tokens = int(sum(len(s.tokens) for s in seqs))
     meta = {
         "kind": "eagle3-head",
         "target_checksum": target_checksum,
-        "head": head_cfg.to_dict(),
         "train": cfg | {"seed": seed},
         "metrics": {"val_loss_step1": float(vl[0] / nb), "val_top1": (va / nb).tolist(), "train_tokens": n_tokens,
                     "data": data_stats, "data_seconds": data_seconds, "train_seconds": train_s, "steps": cfg["steps"],
+                    "train_dtype": str(dtype).removeprefix("torch."), "train_dtype_step_seconds": dtype_timing,
                     "history": history},
     }
     out_dir = Path(out_dir)
-    write_head(head, meta, out_dir)
+    write_head(head, meta, out_dir, target_config=model.config)
     if ckpt.is_file():
         ckpt.unlink()
     return TrainResult(path=out_dir, steps=cfg["steps"], train_tokens=n_tokens, data_seconds=data_seconds, train_seconds=train_s,

@@ -305,8 +305,8 @@ def train_gto(*, model, tokenizer, base_dir: Path, target_checksum: str, workloa
     val, train = split_windows(seqs, cfg, np.random.default_rng(seed))
     t2d = target_to_draft(head.d2t, head.cfg.vocab)
     result = fine_tune_gto(head, model=model, seqs=seqs, train=train, val=val, t2d=t2d, cfg=gcfg, train_cfg=cfg, seed=seed)
-    meta = dict(meta)
+    meta = {k: v for k, v in meta.items() if k not in ("head", "id")} | {"base_id": meta["id"]}  # the head's own: config.json
     meta["gto"] = gcfg | {"seed": seed}
     meta["gto_metrics"] = {k: v for k, v in asdict(result).items() if k != "history"} | {"history": result.history[::10]}
-    write_head(head, meta, Path(out_dir))
+    write_head(head, meta, Path(out_dir), target_config=model.config)
     return result

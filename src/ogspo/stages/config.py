@@ -116,6 +116,7 @@ def load_config(
     if check_paths:
         _check_fortunes(cfg)
         _check_jsonl(cfg)
+        _check_head_path(cfg)
     return cfg
 
 
@@ -146,6 +147,14 @@ def _check_jsonl(cfg: Mapping) -> None:
         if isinstance(wcfg, Mapping) and "jsonl" in wcfg and not Path(wcfg["jsonl"]).is_file():
             raise ConfigError(f"config error at 'workloads.{name}.jsonl': {wcfg['jsonl']} does not exist; give a JSONL "
                               "file with one {\"prompt\": ..., \"id\": ..., \"chat\": ...} object per line")
+
+
+def _check_head_path(cfg: Mapping) -> None:
+    """A given draft head is a folder in EAGLE-3's format (its fit to the target is checked when it loads)."""
+    path = (cfg.get("drafter") or {}).get("path")
+    if path and not all((Path(path).expanduser() / f).is_file() for f in ("config.json", "model.safetensors")):
+        raise ConfigError(f"config error at 'drafter.path': {path} is not an EAGLE-3 head folder (config.json and "
+                          "model.safetensors inside); give one, or null to train the head")
 
 
 def _check_fortunes(cfg: Mapping) -> None:

@@ -522,7 +522,7 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
     for h, meta in metas.items():
         top1 = [round(a, 3) for a in meta.get("metrics", {}).get("val_top1", [])]
         m = meta.get("metrics", {})
-        text = f"- {h}: held-out TTT top-1 {top1}"
+        text = f"- {h}: held-out TTT top-1 {top1}" if "published" not in meta else f"- {h}: the EAGLE-3 head at {meta['published']} (drafter.path)"
         d = m.get("data")
         if d:
             made = "read from the cache" if d["cached"] else (
@@ -679,7 +679,8 @@ def write_report(
                        comparison=render_comparison(statements, pooled) + render_shipping(shipping)
                        + render_latency_check(checked))
     if drafter_eval is not None:
-        metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") for h, d in (heads or {}).items()}
+        metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") if (Path(d) / "drafter.json").is_file()
+                 else {"published": str(d)} for h, d in (heads or {}).items()}  # a head given as drafter.path has no training figures
         md += "\n" + "\n".join(render_heads(_read_json(drafter_eval, "drafter acceptance"), metas))
     for path, text in ((summary_path, json.dumps(doc, indent=1) + "\n"), (md_path, md)):
         write_text(path, text)
