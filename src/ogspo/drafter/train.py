@@ -45,8 +45,8 @@ from .data import (
     stdlib_sequences,
     train_prompts,
 )
-from .head import EagleHead, HeadConfig
 from .eagle3 import save_eagle3
+from .head import EagleHead, HeadConfig
 from .runtime import META
 
 
