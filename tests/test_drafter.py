@@ -278,6 +278,34 @@ def test_self_written_requests_and_the_data_cache(tmp_path, smollm2_dir):
     assert stats2.cached and [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in seqs]
 
 
+def test_more_text_reuses_the_blocks_read_before(tmp_path, smollm2_dir, monkeypatch):
+    """Text is read and cached in blocks: a larger sample reads only the blocks a smaller one lacked."""
+    from ogspo.artifacts.settings import settings
+    from ogspo.drafter import train
+    from ogspo.drafter.head import HeadConfig
+    from ogspo.stages.model import load_target
+
+    import polars as pl
+
+    monkeypatch.setattr(train, "TEXT_BLOCK", 1)
+    model, tok = load_target(smollm2_dir)
+    wl = tmp_path / "workloads"
+    wl.mkdir()
+    pl.DataFrame({"prompt_id": ["t/0"], "split": ["train"], "text": ["The sea"], "prompt": ["The sea"]}).write_parquet(wl / "t.parquet")
+    cache = tmp_path / "cache"
+    kw = dict(model=model, tokenizer=tok, target_checksum="abc", workloads_dir=wl, fortunes_dir=None,
+              head_cfg=HeadConfig.for_target(model, draft_vocab=512), seed=0)
+    seqs = {}
+    for n in (40, 100):
+        cfg = settings("drafter", {"self_instruct": 0, "max_new_tokens": 3, "gen_batch": 1, "gen_rows": 64, "extra_fortunes": 0,
+                                   "extra_functions": 0, "stdlib_tokens": n, "seq_len": 32, "cache_dir": str(cache), "sharegpt": {"texts": 0, "answered": 0}})
+        cfg.pop("gto")
+        seqs[n], _ = train.build_data(cfg=cfg, **kw)
+        seqs[n] = [s.tokens.tolist() for s in seqs[n]]
+    assert seqs[100][: len(seqs[40])] == seqs[40] and len(seqs[100]) > len(seqs[40])
+    assert len(list(cache.glob("text-*.pt"))) == len(seqs[100]) - 1  # one file per text block (the rest: the answer)
+
+
 def test_the_head_layer_is_eagle3s_midlayer():
     """The head's layer computes EAGLE-3's decoder layer (SafeAILab/EAGLE cnets.py): q/k/v over
     cat(input_layernorm(embedding), hidden_norm(h)) with h = fc(features) as the residual stream, then

@@ -62,6 +62,9 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
 
 
+TEXT_BLOCK = 100  # texts annotated and cached together: ShareGPT samples of different sizes share their first blocks
+
+
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -190,11 +193,18 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     text_ids += stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
                                  held_out=NearDuplicateIndex(held_out))
     rows = cfg["annotate_rows"] or (kernels.cheapest_rows(64) if kernels is not None else 512)
-    text_key = _hash({"v": 2, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"],
-                      "ids": _hash(text_ids)})
     t0 = time.perf_counter()
-    annotated, text_cached = _cached(cache / f"text-{text_key}.pt", lambda: annotate_text(
-        target_lm(max([len(s) for s in text_ids], default=1)), text_ids, top_k=cfg["top_k"], rows=rows)) if text_ids else ([], True)
+    annotated, ann_built = [], 0
+    n_sg = len(sg_texts)  # ShareGPT blocks, then standard-library blocks: a larger sample reuses a smaller one's blocks
+    bounds = [(a, min(a + TEXT_BLOCK, n_sg)) for a in range(0, n_sg, TEXT_BLOCK)]
+    bounds += [(a, min(a + TEXT_BLOCK, len(text_ids))) for a in range(n_sg, len(text_ids), TEXT_BLOCK)]
+    for a, b in bounds:
+        block = text_ids[a:b]
+        key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"], "ids": _hash(block)})
+        part, was_cached = _cached(cache / f"text-{key}.pt", lambda: annotate_text(
+            target_lm(max(len(s) for s in block)), block, top_k=cfg["top_k"], rows=rows))
+        annotated += part
+        ann_built += 0 if was_cached else sum(len(s) for s in block)
     ann_s = time.perf_counter() - t0
     for s in data:
         s.source = "generated"
@@ -211,9 +221,9 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
                       generated_tokens=generated, annotated_tokens=ann_tokens, tokens=int(sum(len(s.tokens) for s in seqs)),
                       generation_seconds=0.0 if gen_cached else gen_s,
                       generation_tokens_per_second=0.0 if gen_cached or not generated else generated / gen_s,
-                      annotation_seconds=0.0 if text_cached else ann_s,
-                      annotation_tokens_per_second=0.0 if text_cached or not ann_tokens else ann_tokens / ann_s,
-                      annotate_rows=rows, sharegpt=sg_info, skipped=skipped, cached=gen_cached and text_cached)
+                      annotation_seconds=ann_s if ann_built else 0.0,
+                      annotation_tokens_per_second=ann_built / ann_s if ann_built else 0.0,
+                      annotate_rows=rows, sharegpt=sg_info, skipped=skipped, cached=gen_cached and not ann_built)
     return seqs, stats
 
 
@@ -445,7 +455,8 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
     val, train = split_windows(seqs, cfg, rng)
     windows = chunk_index(seqs, cfg["seq_len"])
     batch_tokens = cfg["batch_size"] * cfg["seq_len"]
-    batches = token_batches(window_lengths(seqs, train, cfg["seq_len"]), batch_tokens)
+    lengths = window_lengths(seqs, train, cfg["seq_len"])
+    batches = token_batches(lengths, batch_tokens)
     cfg["steps"] = max(1, math.ceil(cfg["epochs"] * len(batches)))  # epochs set the steps: the data sets the work
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
@@ -464,7 +475,8 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
             start, history = state["step"], state["history"]
             rng.bit_generator.state = state["rng"]
             torch.set_rng_state(state["torch_rng"])
-    dtype, dtype_timing = choose_train_dtype(head, make_batch(seqs, train[batches[-1]], t2d, cfg["seq_len"], head.d2t.device), cfg)
+    fullest = max(batches, key=lambda b: len(b) * int(lengths[b].max()))  # the most padded positions: a typical step's shape
+    dtype, dtype_timing = choose_train_dtype(head, make_batch(seqs, train[fullest], t2d, cfg["seq_len"], head.d2t.device), cfg)
     t1 = time.perf_counter()
     _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed, start=start,
                  history=history, checkpoint=(ckpt, run_key, rng), dtype=dtype)
