@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--budgets", type=int, nargs="*", default=[25_000, 50_000, 100_000, 0],
                     help="training tokens of each head trained here (0 = all; none: only measure the --head heads)")
     ap.add_argument("--head", action="append", default=[], help="NAME=DIR: another trained head measured beside them")
-    ap.add_argument("--exclude", nargs="*", default=[], choices=["generated", "sharegpt", "stdlib"],
+    ap.add_argument("--exclude", nargs="*", default=[], choices=["generated", "answered", "sharegpt", "stdlib"],
                     help="leave the data of these sources out before the budgets are cut (a mix without ShareGPT, say)")
     ap.add_argument("--prompts", type=int, default=12, help="eval prompts per workload")
     ap.add_argument("--tokens", type=int, default=128)

@@ -280,12 +280,12 @@ def test_self_written_requests_and_the_data_cache(tmp_path, smollm2_dir):
 
 def test_more_text_reuses_the_blocks_read_before(tmp_path, smollm2_dir, monkeypatch):
     """Text is read and cached in blocks: a larger sample reads only the blocks a smaller one lacked."""
+    import polars as pl
+
     from ogspo.artifacts.settings import settings
     from ogspo.drafter import train
     from ogspo.drafter.head import HeadConfig
     from ogspo.stages.model import load_target
-
-    import polars as pl
 
     monkeypatch.setattr(train, "TEXT_BLOCK", 1)
     model, tok = load_target(smollm2_dir)

@@ -58,7 +58,8 @@ class Sequence:
     feats: torch.Tensor | None = None  # [n, 3D] target hidden states (`store_features`) at the feature layers
     top_ids: torch.Tensor | None = None  # [n, K] int32 target top-K ids of the next token
     top_p: torch.Tensor | None = None  # [n, K] float16 their probabilities
-    source: str | None = None  # "generated" (the target's own answer), "sharegpt" or "stdlib" (text read as it stands)
+    source: str | None = None  # "generated" / "answered" (the target's own answer to a train prompt / a ShareGPT
+    # user turn), "sharegpt" or "stdlib" (text read as it stands)
 
 
 def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[TrainText]:

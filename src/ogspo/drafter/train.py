@@ -206,8 +206,8 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
         annotated += part
         ann_built += 0 if was_cached else sum(len(s) for s in block)
     ann_s = time.perf_counter() - t0
-    for s in data:
-        s.source = "generated"
+    for i, s in enumerate(data):  # generate_batched keeps the prompts' order, once per sampled pass
+        s.source = "answered" if texts[i % len(texts)].source == "sharegpt/answer" else "generated"
     for i, s in enumerate(annotated):
         s.source = "sharegpt" if i < len(sg_texts) else "stdlib"
 
