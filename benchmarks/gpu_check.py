@@ -7,10 +7,16 @@ imports only ogspo's engine and draft-head runtime from `src/` (run it through g
    decoding token for token; in bf16 they are compared with bf16 autoregressive decoding of the
    same engine, and every difference is reported with the target's top-2 margin there (near-ties).
    T=1 runs too (same seed twice, same tokens).
-2. Timing on a model of SmolLM2-135M's shape with random weights (timing does not depend on weight
+2. The `ogspo` method as it decodes: a policy head (random weights: the decisions vary, the lossless
+   property must not) exported to ONNX by `learn.export`, loaded by `methods.ogspo` with the device's
+   onnxruntime providers (the faster per call is kept) and called as the stop hook after every level;
+   fp32 decoding equals transformers' greedy decoding. Reports the providers and seconds per call.
+3. Timing on a model of SmolLM2-135M's shape with random weights (timing does not depend on weight
    values; the GGUF need not travel): autoregressive decoding by the engine and by transformers'
    `generate`, verify(n)/verify(1) for tree sizes up to 128, and one draft-head level over w
-   frontier nodes. CUDA events time every region; medians over repeats.
+   frontier nodes, and whole speculative cycles (EAGLE-3 dynamic trees and a chain with the random head:
+   drafting, verification and the rest per cycle, against one autoregressive step). CUDA events time
+   every region; medians over repeats.
 
 Prints one Markdown table (and writes it to $OUT/gpu_check.md where $OUT is set)."""
 
@@ -20,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,9 @@ from ogspo.engine.drafters import LMDrafter  # noqa: E402
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain  # noqa: E402
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm, synchronize  # noqa: E402
 from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix  # noqa: E402
+from ogspo.learn.export import write_policy_folder  # noqa: E402
+from ogspo.methods.features import FEATURE_NAMES  # noqa: E402
+from ogspo.methods.ogspo import make_ogspo  # noqa: E402
 
 # SmolLM2-135M-Instruct's shape (its config.json)
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -119,6 +129,48 @@ def check_lossless(device: torch.device, n: int = 30) -> list[str]:
     return rows
 
 
+def check_ogspo_method(device: torch.device, n: int = 30) -> list[str]:
+    """Rows for the `ogspo` method: an exported ONNX stop policy inside the decoding loop on `device`."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    target_model = tiny_llama(0, dtype=torch.float32, device=device)
+    eagle = EagleDrafter(random_head(target_model, 48), max_len=256)
+    target = LlamaTreeLM(target_model, max_len=256, feature_layers=eagle.feature_layers)
+    early = LMDrafter(LlamaTreeLM(tiny_llama(1, dtype=torch.float32, device=device), max_len=256))
+    torch.manual_seed(5)
+    head = torch.nn.Sequential(torch.nn.Linear(len(FEATURE_NAMES), 16), torch.nn.Tanh(), torch.nn.Linear(16, 1),
+                               torch.nn.Flatten(0))  # features [B, F] -> advantage [B]
+    S = Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
+    checked, calls, stops, seconds = 0, 0, 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_policy_folder(head=head, structure=S, lam=0.5, out_dir=Path(tmp), info={"source": "gpu_check"})
+        policy = make_ogspo(policy_path=tmp, device=str(device))
+
+        def timed_hook(tree, level, ctx) -> bool:  # the policy's own hook, timed call by call
+            t0 = time.perf_counter()
+            stop = policy.hook(tree, level, ctx)
+            seconds.append(time.perf_counter() - t0)
+            return stop
+
+        for prompt in PROMPTS:
+            ref = hf_greedy(target_model, prompt, n)
+            for drafter in (early, eagle):
+                engine = SpeculativeEngine(target=target, policy=policy, drafter=drafter, stop_hook=timed_hook)
+                got = engine.generate(prompt, max_new_tokens=n).tokens
+                if got != ref:
+                    raise AssertionError(f"fp32 ogspo + {drafter.name} differs from greedy on {device}: {got} vs {ref}")
+                checked += 1
+        calls, stops = policy.hook.calls, policy.hook.stops
+    measured = ", ".join(f"{p} {s * 1e6:.0f} us" for p, s in policy.hook.provider_seconds.items()) or "the only one"
+    return [f"| fp32 T=0: ogspo (ONNX stop policy, {calls} calls, {stops} stops) x 2 drafters x {len(PROMPTS)} prompts "
+            f"vs transformers greedy | {checked}/{checked} identical |",
+            f"| onnxruntime {ort.__version__}: providers available | {', '.join(ort.get_available_providers())} |",
+            f"| ogspo policy: provider chosen (timed per single-state call) | {policy.hook.providers[0]} ({measured}) |",
+            f"| ogspo policy: one stop decision in the loop (features + ONNX call), median | {np.median(seconds) * 1e6:.0f} us |"]
+
+
 class Timer:
     """Seconds of a region on `device` (CUDA events there, perf_counter on the CPU)."""
 
@@ -195,6 +247,22 @@ def time_engine(device: torch.device, *, dtype, tokens: int, reps: int, sizes: l
             if r >= 2:
                 samples.append(dt)
         rows.append(f"| one head level, w={w} frontier nodes | {np.median(samples) * 1e3:.2f} ms |")
+    # whole cycles with the random head (acceptance ~0: each cycle commits ~1 token, so the figures are
+    # the cost of one cycle, not a speed-up)
+    ar = engine.generate(prompt, max_new_tokens=tokens)
+    step = float(np.median([c.cycle_seconds for c in ar.cycles]))
+    rows.append(f"| AR step (engine, whole cycle) | {step * 1e3:.2f} ms |")
+    for policy in (DynamicTree(total_tokens=60, depth=5, top_k=10), DynamicTree(total_tokens=8, depth=3, top_k=2), chain(4)):
+        spec = SpeculativeEngine(target=target, policy=policy, drafter=drafter)
+        cycles = []
+        for r in range(reps + 1):
+            res = spec.generate(prompt, max_new_tokens=tokens // 2)
+            if r:
+                cycles += res.cycles
+        cyc, dr, ve, rest = (float(np.median(x)) * 1e3 for x in zip(*[(c.cycle_seconds, sum(c.draft_seconds), c.verify_seconds,
+                                                                          c.other_seconds) for c in cycles]))
+        rows.append(f"| cycle {policy.name}: whole / draft / verify / rest (medians) | {cyc:.2f} / {dr:.2f} / {ve:.2f} / "
+                    f"{rest:.2f} ms ({cyc / (step * 1e3):.2f} AR steps) |")
     return rows
 
 
@@ -211,16 +279,30 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"## GPU check (benchmarks/gpu_check.sh) on {name}", "",
              f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}", "", "| check | result |", "|---|---|"]
-    lines += check_lossless(device)
     sizes = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    sections = [("lossless", lambda: check_lossless(device)), ("ogspo method", lambda: check_ogspo_method(device))]
     for dtype in ([torch.float32] if args.quick else [torch.bfloat16, torch.float32]):
-        lines += time_engine(device, dtype=dtype, tokens=8 if args.quick else 128, reps=1 if args.quick else 5,
-                             sizes=sizes, context=64 if args.quick else 512)
+        sections.append((f"timing {dtype}", lambda dtype=dtype: time_engine(
+            device, dtype=dtype, tokens=8 if args.quick else 128, reps=1 if args.quick else 5, sizes=sizes,
+            context=64 if args.quick else 512)))
+    failed = []
+    for title, section in sections:  # a failing section is a row of the table; the others still run
+        try:
+            rows = section()
+        except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so
+            traceback.print_exc()
+            rows = [f"| {title} | FAILED: {exc.__class__.__name__}: {exc} |"]
+            failed.append(title)
+        print("\n".join(rows), flush=True)
+        lines += rows
     lines += ["", f"({time.perf_counter() - t0:.0f} s)"]
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.md").write_text(text + "\n")
+    if failed:
+        print(f"gpu_check: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
