@@ -172,3 +172,16 @@ def test_every_family_gets_a_head_data_recipe_it_can_run(family):
         assert {k: v for k, v in runs.items() if k not in ("sampled", "self_instruct")} == \
             {k: v for k, v in cfg.items() if k not in ("sampled", "self_instruct")}
     assert any(fast_path_refusal(FAMILIES[f][1]()) is not None for f in FAMILIES)  # the fallback is exercised
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if fast_path_refusal(FAMILIES[f][1]()) is not None])
+def test_bf16_is_chosen_only_where_the_engine_runs_batch_invariant_kernels(family):
+    """`dtype: auto` and a bf16-prepared folder run a transformers-backend family in fp32: its bf16
+    products depend on the row count, so a verified tree could differ from step-by-step decoding
+    (`make gemma3-quick` failed its lossless check on Gemma 3 in bf16, a one-ulp near-tie)."""
+    from ogspo.stages.model import choose_dtype, runtime_dtype
+
+    config = FAMILIES[family][1]()
+    choice = choose_dtype(family_model(family))
+    assert choice["dtype"] == "float32" and "transformers backend" in choice["why"]
+    assert runtime_dtype("bfloat16", "cpu", config) == "float32"

@@ -158,6 +158,16 @@ def test_reference_kernel_without_a_table_is_f_linear():
     assert torch.equal(lm.mm["o"](0, x), F.linear(x, w.w))
 
 
+def test_a_class_the_table_did_not_time_runs_the_reference_kernel():
+    """A transformers-backend target's table holds no class; the draft head's matmuls on it are
+    F.linear (`make gemma3-quick` stopped in collect_records on a KeyError here)."""
+    empty = K.KernelTable(key={}, shapes={}, rows=[1], choice={}, pad_to={}, meta={"not_timed": "transformers backend"})
+    w = torch.randn(6, 4)
+    mm = K.Matmul("qkv", [w], empty)
+    x = torch.randn(3, 4)
+    assert mm.plan(3) == ("linear", 3) and torch.equal(mm(0, x), F.linear(x, w))
+
+
 @needs_native
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 variant is an x86-64 build")
 def test_avx2_build_computes_the_product_batch_invariantly(tmp_path):

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ogspo.artifacts.prompts import find_package_dir
 from ogspo.engine import native
+from ogspo.engine.target import fast_path_refusal
 
 MANIFEST = "ogspo_model.json"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -152,6 +153,9 @@ def choose_dtype(model, reps: int = 7, device: str = "cpu") -> dict:
 
     if device != "cpu":
         return {"dtype": "float32", "why": f"auto measures CPU kernels only; on {device} set dtype to bfloat16 to run bf16"}
+    refusal = fast_path_refusal(model.config)
+    if refusal is not None:
+        return {"dtype": "float32", "why": BF16_NEEDS_FAST_PATH.format(refusal)}
     if not native.bf16_available():
         why = native.unavailable_reason() or f"no native bf16 kernel here (no avx512_bf16 in the CPU flags, or ${native.NO_BF16} set)"
         return {"dtype": "float32", "why": why}
@@ -176,11 +180,17 @@ def choose_dtype(model, reps: int = 7, device: str = "cpu") -> dict:
                    + ("" if faster else ": bf16 is not faster here")}
 
 
-def runtime_dtype(dtype: str, device: str = "cpu") -> str:
+BF16_NEEDS_FAST_PATH = ("bf16 runs on the engine's own batch-invariant kernels only, and this model runs on the "
+                        "transformers backend ({}), whose bf16 products depend on the row count (a verified tree "
+                        "could differ from step-by-step decoding): float32")
+
+
+def runtime_dtype(dtype: str, device: str = "cpu", config=None) -> str:
     """The dtype a model prepared in `dtype` runs in on `device`: bfloat16 on a CPU without the native
-    bf16 kernel runs in float32 (its weights are exact in fp32; torch's bf16 products are not
-    batch-invariant, `engine.kernels`)."""
-    if dtype == "bfloat16" and device == "cpu" and not native.bf16_available():
+    bf16 kernel, or for a model (`config`) the engine's fast path refuses, runs in float32 (its weights
+    are exact in fp32; torch's bf16 products are not batch-invariant, `engine.kernels`)."""
+    if dtype == "bfloat16" and device == "cpu" and (not native.bf16_available()
+                                                     or (config is not None and fast_path_refusal(config) is not None)):
         return "float32"
     return dtype
 
@@ -330,12 +340,12 @@ def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
     model in eval mode on ``device``, in ``dtype`` (default: the dtype the folder was prepared in,
     config key `dtype` of prepare_model; float32 for an unprepared folder; `runtime_dtype` says
     when bf16 runs in fp32)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = check_model_dir(path)
     prepared = (path / MANIFEST).is_file()
     torch_dtype = _torch_dtype(runtime_dtype(dtype or (read_manifest(path).get("dtype", "float32") if prepared else "float32"),
-                                             str(device).split(":")[0]))
+                                             str(device).split(":")[0], AutoConfig.from_pretrained(str(path))))
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     model.to(device)
