@@ -344,10 +344,11 @@ def load_target(path: Path, *, dtype: str | None = None, device: str = "cpu"):
 
     path = check_model_dir(path)
     prepared = (path / MANIFEST).is_file()
+    config = AutoConfig.from_pretrained(str(path))  # read once: it decides the dtype and builds the model
     torch_dtype = _torch_dtype(runtime_dtype(dtype or (read_manifest(path).get("dtype", "float32") if prepared else "float32"),
-                                             str(device).split(":")[0], AutoConfig.from_pretrained(str(path))))
+                                             str(device).split(":")[0], config))
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=torch_dtype)
     model.to(device)
     model.eval()
     return model, tokenizer
