@@ -11,6 +11,13 @@ tokens for the drafter to re-encode at the next cycle's first level (the EAGLE h
 cost, t_catchup(A) = catchup[0] + ... + catchup[A - 2] (the j-th accepted token adds catchup[j - 1]; past
 the table, nothing), is booked on the cycle that commits them, so t_c depends on A like J does, and stays
 a sum over accepted path nodes (linear in the solvers' acceptance indicators). Measured by the stage `calibrate_latency` (`ogspo.stages.calibrate`).
+
+The tables hold the machine's mean state. A shared CPU changes state within minutes, and not uniformly
+across shapes: on the 2-core AMD EPYC a one-row forward flips between ~7.5 and ~11 ms while an 8-row
+forward stays near 12 ms (memory bandwidth taken by a neighbour slows the bandwidth-bound one-row
+forward most). `drift_elasticity[i]` is how t_verify(sizes[i]) moves with t_verify(1): relative change
+over the one-row forward's relative change (1 at n = 1, ~0.2 at n = 8 there). `t_cycle(..., speed=f)`
+predicts a cycle when a one-row forward runs f times its table value (`speed_ratio` of a probe).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import numpy as np
 
 from ogspo.artifacts.io import write_json
 
-SCHEMA_VERSION = 2  # 2: fixed_ar, the overhead of an autoregressive step
+SCHEMA_VERSION = 3  # 2: fixed_ar, the overhead of an autoregressive step; 3: drift_elasticity, probe_level
 
 
 def _interp(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -57,13 +64,31 @@ class LatencyModel:
     fixed_ar: float  # t_fixed of an autoregressive step (root alone, nothing drafted)
     fixed_slope: float  # seconds per verified node beyond the root, on top of `fixed`
     catchup: list[float]  # seconds the j-th accepted token (j = 1..) adds to the next cycle's first draft level
+    drift_elasticity: list[float] = field(default_factory=list)  # per table size; empty: 1 for every size
+    probe_level: float = 1.0  # what a speed probe reads over t_verify(1, L) in the tables' mean state
     meta: dict = field(default_factory=dict)  # model checksum, drafter id, device, torch version, ...
 
-    def t_verify(self, n, L):
+    def t_verify(self, n, L, speed: float = 1.0):
+        """Seconds of a target forward over n tree tokens on L committed ones; `speed`: the machine state
+        (a one-row forward's time over its table value), applied through `drift_elasticity`."""
         xs = np.asarray(self.sizes, dtype=np.float64)
         a = _interp(n, xs, np.asarray(self.verify_intercept))
         b = _interp(n, xs, np.asarray(self.verify_slope))
-        return a + b * np.asarray(L, dtype=np.float64)
+        t = a + b * np.asarray(L, dtype=np.float64)
+        return t if speed == 1.0 else t * (1.0 + self.elasticity(n) * (speed - 1.0))
+
+    def elasticity(self, n) -> np.ndarray:
+        """Relative change of t_verify(n) per relative change of t_verify(1), interpolated between table
+        sizes (constant past the ends)."""
+        n = np.asarray(n, dtype=np.float64)
+        if not self.drift_elasticity:
+            return np.ones_like(n)
+        return np.interp(n, np.asarray(self.sizes, dtype=np.float64), np.asarray(self.drift_elasticity))
+
+    def speed_ratio(self, probe_seconds: float, L) -> float:
+        """The machine state from a probe (`stages.evaluate.probe_speed`: a one-row forward on L committed
+        tokens): its time over what it reads in the tables' mean state."""
+        return float(probe_seconds) / (self.probe_level * float(self.t_verify(1, L)))
 
     def t_draft(self, w):
         w = np.asarray(w, dtype=np.float64)
@@ -96,15 +121,17 @@ class LatencyModel:
         cum = self.catchup_cum(len(self.catchup))
         return np.interp(a, np.arange(len(cum), dtype=np.float64), cum)
 
-    def t_cycle(self, level_widths, n_verify, L, accepted=1):
+    def t_cycle(self, level_widths, n_verify, L, accepted=1, speed: float = 1.0):
         """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n) + t_catchup(A) (level_widths:
         frontier widths; A: tokens the cycle commits). A cycle that drafted nothing and verifies the root
-        alone is an autoregressive step (no drafter, so no catch-up either)."""
+        alone is an autoregressive step (no drafter, so no catch-up either). `speed`: the machine state
+        (see `t_verify`); the drafter and the overheads are scaled by it as they are."""
         widths = np.asarray(list(level_widths), dtype=np.float64)
         draft = float(np.sum(self.t_draft(widths))) if len(widths) else 0.0
         n = np.asarray(n_verify)
         drafted = (n > 1) | bool((widths > 0).any())
-        return draft + self.t_verify(n, L) + self.t_fixed(n, drafted) + np.where(drafted, self.t_catchup(accepted), 0.0)
+        rest = draft + self.t_fixed(n, drafted) + np.where(drafted, self.t_catchup(accepted), 0.0)
+        return self.t_verify(n, L, speed) + speed * rest
 
     # ---- JSON
     def to_json(self) -> dict:
@@ -140,6 +167,10 @@ class LatencyModel:
             raise ValueError(f"{src}: verify_table shape does not match sizes x contexts")
         if len(model.draft_table) != len(model.draft_widths) or len(model.verify_slope) != len(model.sizes):
             raise ValueError(f"{src}: table lengths do not match their axes")
+        if model.drift_elasticity and len(model.drift_elasticity) != len(model.sizes):
+            raise ValueError(f"{src}: drift_elasticity has {len(model.drift_elasticity)} values for {len(model.sizes)} table sizes")
+        if not model.probe_level > 0:
+            raise ValueError(f"{src}: probe_level must be > 0, got {model.probe_level}")
         got_model, got_drafter = model.meta.get("model_checksum"), model.meta.get("drafter")
         if expect_model is not None and got_model != expect_model:
             raise ValueError(

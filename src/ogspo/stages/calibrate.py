@@ -8,10 +8,16 @@
 - t_verify(n, L): one target tree forward of n tree tokens (root included, ancestor mask of a bushy
   tree) over a KV cache holding L committed tokens, through the engine's own code path
   (`target.forward`, then `target.cache.commit(None)` to drop the pending rows). Stored as a table
-  of medians over n x L; the model is piecewise linear in n (between table sizes) and linear in L
-  (per-size or global slope, whichever predicts the table better by leave-one-L-out). The table's
-  level is then set where decoding runs it (`decode_loop_level`): the one-row intercept from the
-  autoregressive steps of real requests, the tree rows scaled to the tree cycles' forwards.
+  over n x L; the model is piecewise linear in n (between table sizes) and linear in L (per-size or
+  global slope, whichever predicts the table better by leave-one-L-out). A shared CPU changes state
+  for tens of seconds, and not uniformly: on the 2-core AMD EPYC a one-row forward flips between ~7.5
+  and ~11 ms while an 8-row forward stays near 12 ms. So each pass over the grid (a few seconds, mostly
+  one state) gets its state from its one-row shapes (`grid_state`), each shape is fitted against the
+  passes' states (`state_fit`): its time at their mean state goes into the table, and how it moves with
+  the one-row forward is the size's `drift_elasticity` (`fit_elasticity`). The table's level is then
+  set where decoding runs it (`decode_loop_level`): the one-row row scaled to the autoregressive steps
+  of real requests, the tree rows to the tree cycles' forwards, each compared in its request's state
+  (a probe before it, `probe_seconds`).
 - t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
@@ -24,13 +30,14 @@
   the decode loop between cycles), per cycle. One value per cycle kind, because they differ by an order
   of magnitude: `fixed_ar` from autoregressive requests (no drafter, median over steps), and for tree
   cycles a line in the verified nodes n, `fixed + fixed_slope * (n - 1)`, through the median overhead of
-  static trees of three sizes (the 2-token chain, 10 and 28 nodes: `fit_fixed`).
+  static trees of three sizes (the 2-token chain, 10 and 28 nodes: `fit_fixed`). The autoregressive and
+  tree requests run in shuffled rounds, so both kinds see the same mix of machine states.
 
     t_cycle(level_widths, n, L, A) = sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n) + t_catchup(A)
 
 Shapes are timed in a shuffled, interleaved order after a warm-up, each `reps` times; each timing is
 the second call of a burst of two of the same shape, because decoding runs a shape after similar
-shapes (an autoregressive step after a step), never cold after a 128-token forward; medians are kept.
+shapes (an autoregressive step after a step), never cold after a 128-token forward.
 Held-out shapes (n and L outside the table) give the validation error (MdAPE).
 """
 
@@ -40,6 +47,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +121,11 @@ def _fill_cache(target: TreeLM, L: int, seed: int) -> None:
 
 
 def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.random.Generator,
-                  burst: int = 1) -> dict[tuple, float]:
-    """Median over `reps` of fn(*shape), shapes interleaved in a shuffled order each round; with
-    `burst` > 1 each shape runs `burst` times in a row and only the last call is kept (the state a
-    shape meets in decoding: after itself or a similar one, not after any shape of the grid)."""
+                  burst: int = 1) -> dict[tuple, list[float]]:
+    """`reps` timings of fn(*shape) per shape, rep-aligned (samples[s][r] is from the r-th pass), shapes
+    interleaved in a shuffled order each pass; with `burst` > 1 each shape runs `burst` times in a row
+    and only the last call is kept (the state a shape meets in decoding: after itself or a similar one,
+    not after any shape of the grid)."""
     for _ in range(warmup):
         for s in shapes:
             fn(*s)
@@ -127,7 +136,56 @@ def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.ra
             for _ in range(burst - 1):
                 fn(*shapes[i])
             samples[shapes[i]].append(fn(*shapes[i]))
-    return {s: float(np.median(v)) for s, v in samples.items()}
+    return samples
+
+
+def grid_state(samples: dict[tuple, list[float]], one_row: list[tuple]) -> np.ndarray:
+    """[reps] the machine state of each pass over the grid: the median over the one-row shapes of their
+    time in that pass over their median time (1 = the shape's usual speed; a shared CPU flips between
+    states for tens of seconds, so one pass of a few seconds mostly sees one)."""
+    rel = np.array([np.asarray(samples[s]) / np.median(samples[s]) for s in one_row])  # [shapes, reps]
+    return np.median(rel, axis=0)
+
+
+def state_fit(times, state: np.ndarray) -> tuple[float, float]:
+    """(time at the mean state, d time / d state) of one shape's rep-aligned timings against the passes'
+    states: the slope is the median of pairwise slopes (Theil-Sen, robust to a preempted timing), 0 when
+    the passes saw one state (spread under 3%); the level is the median of the timings moved to the mean state."""
+    t = np.asarray(times, dtype=np.float64)
+    x = np.asarray(state, dtype=np.float64)
+    slope = 0.0
+    if np.ptp(x) > 0.03:
+        i, j = np.triu_indices(len(x), 1)
+        keep = np.abs(x[j] - x[i]) > 0.01
+        if keep.any():
+            slope = float(np.median((t[j] - t[i])[keep] / (x[j] - x[i])[keep]))
+    return float(np.median(t - slope * (x - x.mean()))), slope
+
+
+def fit_elasticity(levels: dict[tuple, float], slopes: dict[tuple, float], sizes: list[int], contexts: list[int]) -> list[float]:
+    """Per table size, the relative change of t_verify(n, L) per relative change of t_verify(1, L), median
+    over L, clipped to [0, 1.5] (1 at n = 1; all 1 when the one-row forwards did not move)."""
+    out = []
+    for n in sizes:
+        e = [(slopes[(n, L)] / levels[(n, L)]) / (slopes[(1, L)] / levels[(1, L)]) for L in contexts if slopes[(1, L)] > 0]
+        out.append(float(np.clip(np.median(e), 0.0, 1.5)) if e and n > 1 else 1.0)
+    return out
+
+
+def probe_seconds(target: TreeLM, reps: int = 3) -> float:
+    """The machine's state now: median seconds of `reps` one-token target forwards after the committed
+    rows (the rows are dropped again). `LatencyModel.speed_ratio` turns it into a speed."""
+    dev, L = target.device, target.cache.length
+    times = []
+    for _ in range(reps):
+        tok = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]
+        synchronize(dev)
+        t0 = time.perf_counter()
+        target.forward(tok, torch.tensor([L], device=dev), None)
+        synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        target.cache.commit(None)
+    return float(np.median(times))
 
 
 # English prose for the requests that measure t_fixed and the catch-up: after random tokens the drafter
@@ -143,25 +201,34 @@ CALIBRATION_TEXT = (
 
 
 def decode_loop_level(sizes: list[int], contexts: list[int], a: list[float], b: list[float], table: np.ndarray,
-                      ar_steps: list[tuple[int, float]], tree_steps: list[tuple[int, int, float]]) -> dict:
+                      elasticity: list[float], ar_steps: list[tuple[int, float, float]],
+                      tree_steps: list[tuple[int, int, float, float]]) -> dict:
     """Set the verify model's level where decoding runs it (in place; the grid keeps its shape in n and L).
     The grid times each shape in a burst of two, shuffled among the others; the decode loop runs a
-    one-row forward after another (an autoregressive step) but a tree forward after a drafting level.
-    Measured on the 2-core AMD EPYC, the decode loop's tree forwards ran ~10% above the grid's and its
-    one-row forwards at or below it (1.5x below on a dispatch-bound tiny model). So: the n = 1 row's
-    intercept from the autoregressive steps (the slope in L kept), and every n > 1 row scaled by the
-    median ratio of the tree cycles' forwards to the grid's model at the same (n, L). Returns the figures."""
-    out: dict = {}
+    one-row forward after another (an autoregressive step) and a tree forward after a drafting level.
+    Each decode-loop forward comes with the state of its request (`speed`: the probe before it over the
+    grid's one-row time, `probe_seconds`), and is compared with the grid's model moved to that state
+    through the elasticity: the n = 1 row is scaled by the median ratio of the autoregressive steps, every
+    n > 1 row by that of the tree cycles' forwards. ar_steps: (L, speed, seconds); tree_steps: (n, L,
+    speed, seconds). Returns the figures, with `probe_level`: what a probe reads over the new one-row
+    table in the mean state."""
+    out: dict = {"probe_level": 1.0}
+    xs = np.asarray(sizes, dtype=np.float64)
+
+    def grid_at(n, L, speed):
+        t = np.interp(n, xs, np.asarray(a)) + np.interp(n, xs, np.asarray(b)) * L
+        return t * (1.0 + np.interp(n, xs, np.asarray(elasticity)) * (speed - 1.0))
+
     if ar_steps and sizes[0] == 1:
-        L1, s1 = np.array(ar_steps, dtype=np.float64).T
-        out["one_row_grid"], a[0] = float(a[0]), float(np.median(s1 - b[0] * L1))
-        table[0] = [a[0] + b[0] * L for L in contexts]
+        L1, f1, s1 = np.array(ar_steps, dtype=np.float64).T
+        k = float(np.median(s1 / grid_at(1.0, L1, f1)))
+        a[0], b[0] = a[0] * k, b[0] * k
+        table[0] = table[0] * k
+        out["one_row_scale"], out["probe_level"] = k, 1.0 / k
     rows = [i for i, n in enumerate(sizes) if n > 1]
     if tree_steps and rows:
-        n, L, s = np.array(tree_steps, dtype=np.float64).T
-        xs = np.asarray(sizes, dtype=np.float64)
-        grid = np.interp(n, xs, np.asarray(a)) + np.interp(n, xs, np.asarray(b)) * L
-        scale = float(np.median(s / grid))
+        n, L, f, s = np.array(tree_steps, dtype=np.float64).T
+        scale = float(np.median(s / grid_at(n, L, f)))
         for i in rows:
             a[i], b[i] = a[i] * scale, b[i] * scale
             table[i] = table[i] * scale
@@ -219,38 +286,45 @@ def fit_catchup(samples: list[tuple[int, float]], min_samples: int = 3) -> list[
     return out
 
 
-def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int, seed: int):
+def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int, seed: int,
+                  speed: Callable[[TreeLM], float], rounds: int = 3):
     """([(verified nodes, overhead)] of speculative cycles, [overhead] of autoregressive steps, [(previous
-    cycle's committed tokens, first draft level seconds)], [(context length, target forward seconds)] of
-    the autoregressive steps, [(n, context length, target forward seconds)] of the tree cycles), in
-    seconds, from real requests of `tokens` new tokens: autoregressive
-    decoding without a drafter, then each of `FIXED_TREES`, then AR again (the AR samples of both runs
-    are kept, so drift between them shows)."""
+    cycle's committed tokens, first draft level seconds)], [(context length, speed, target forward
+    seconds)] of the autoregressive steps, [(n, context length, speed, target forward seconds)] of the tree
+    cycles), in seconds, from real requests of `tokens` new tokens: `rounds` rounds of autoregressive
+    decoding without a drafter and each of `FIXED_TREES`, in a shuffled order per round, every request
+    after a probe of the machine's state (`speed(target)`), so the kinds see the same mix of states."""
+    rng = np.random.default_rng(seed)
     ar = SpeculativeEngine(target=target, policy=Autoregressive())
     trees = [SpeculativeEngine(target=target, policy=StaticTree(S), drafter=drafter) for S in FIXED_TREES]
     ar_samples: list[float] = []
     tree_samples: list[tuple[int, float]] = []
     first: list[tuple[int, float]] = []
-    tree_verify: list[tuple[int, int, float]] = []
+    steps: list[tuple[int, float, float]] = []
+    tree_verify: list[tuple[int, int, float, float]] = []
     ar.generate(prompt, max_new_tokens=4, seed=seed)  # warm-up of the one-row shapes
     own = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
-    ar_samples += [s for _, s in _overhead_per_cycle(own)]
     # the trees continue the target's own text, where the drafter guesses as it does on real text (given a
     # text prompt, `CALIBRATION_TEXT`): cycles commit 1..4 tokens, so the catch-up is seen at several sizes
     text = list(prompt) + own.tokens
     for eng in trees:
         eng.generate(text, max_new_tokens=4, seed=seed)
-        res = eng.generate(text, max_new_tokens=tokens, seed=seed)
-        tree_samples += _overhead_per_cycle(res)
-        first += _first_levels(res)
-        L = len(text)
-        for c in res.cycles:  # (verified nodes, committed context, forward seconds) in the decode loop
-            tree_verify.append((c.tree_size + 1, L, c.verify_seconds))
-            L += c.accepted
-    again = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
-    ar_samples += [s for _, s in _overhead_per_cycle(again)]
-    # the one-row forward of an autoregressive step where it runs, in the decode loop: (L, seconds)
-    steps = [(len(prompt) + i, c.verify_seconds) for r in (own, again) for i, c in enumerate(r.cycles)]
+    for _ in range(rounds):
+        for j in rng.permutation(len(trees) + 1):
+            f = speed(target)
+            if j == 0:
+                res = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
+                ar_samples += [s for _, s in _overhead_per_cycle(res)]
+                # the one-row forward of an autoregressive step where it runs, in the decode loop
+                steps += [(len(prompt) + i, f, c.verify_seconds) for i, c in enumerate(res.cycles)]
+                continue
+            res = trees[j - 1].generate(text, max_new_tokens=tokens, seed=seed)
+            tree_samples += _overhead_per_cycle(res)
+            first += _first_levels(res)
+            L = len(text)
+            for c in res.cycles:  # (verified nodes, committed context, state, forward seconds) in the decode loop
+                tree_verify.append((c.tree_size + 1, L, f, c.verify_seconds))
+                L += c.accepted
     return tree_samples, ar_samples, first, steps, tree_verify
 
 
@@ -315,24 +389,34 @@ def calibrate_latency(
     # ---- t_verify table and held-out shapes, interleaved
     grid = [(n, L) for n in sizes for L in contexts]
     held = [(n, L) for n in held_sizes for L in held_ctx]
-    verify = _measure_grid(
+    samples = _measure_grid(
         lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng, burst=2
     )
     target.cache.length, target.cache.pending = filled, 0
+    # every shape at the passes' mean machine state, and how it moves with the state
+    state = grid_state(samples, [(1, L) for L in contexts]) if sizes[0] == 1 else np.ones(reps)
+    fits = {s: state_fit(v, state) for s, v in samples.items()}
+    verify = {s: lv for s, (lv, _) in fits.items()}
+    elasticity = (fit_elasticity(verify, {s: sl for s, (_, sl) in fits.items()}, sizes, contexts) if sizes[0] == 1
+                  else [1.0] * len(sizes))
     table = np.array([[verify[(n, L)] for L in contexts] for n in sizes])  # [S, C]
     a, b, mode = fit_verify(sizes, contexts, table)
+    a0, b0 = a[0], b[0]  # the grid's one-row line: what a probe is compared with during the requests below
 
     # ---- t_draft(w): frontier of w depth-1 nodes of a real drafting state
     prompt_len = min(contexts[0], 128)
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
     pre = target.prefill(prompt)
-    draft = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device)
+    draft = {w: float(np.median(v)) for w, v in
+             _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device).items()}
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
     fixed_samples, fixed_ar_samples, first_levels, ar_steps, tree_steps = measure_fixed(
-        target, drafter, text, tokens=fixed_tokens, seed=seed)
-    level = decode_loop_level(sizes, contexts, a, b, table, ar_steps, tree_steps)
+        target, drafter, text, tokens=fixed_tokens, seed=seed,
+        speed=lambda t: probe_seconds(t) / (a0 + b0 * t.cache.length))
+    level = decode_loop_level(sizes, contexts, a, b, table, elasticity, ar_steps, tree_steps)
+    level["grid_state_range"] = [float(state.min()), float(state.max())]
     fixed, fixed_slope = fit_fixed(fixed_samples)
     catchup = fit_catchup(first_levels)
     fixed_ar = float(np.median(fixed_ar_samples)) if fixed_ar_samples else 0.0
@@ -349,7 +433,7 @@ def calibrate_latency(
     model = LatencyModel(
         sizes=sizes, contexts=contexts, verify_table=table.tolist(), verify_intercept=a, verify_slope=b,
         slope_mode=mode, draft_widths=widths, draft_table=[draft[(w,)] for w in widths], fixed=fixed, fixed_ar=fixed_ar,
-        fixed_slope=fixed_slope, catchup=catchup, meta=info,
+        fixed_slope=fixed_slope, catchup=catchup, drift_elasticity=elasticity, probe_level=level["probe_level"], meta=info,
     )
     validation = []
     for n, L in held:  # the grid's held-out shapes, at the decode loop's level like the table (interpolation error)

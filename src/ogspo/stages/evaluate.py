@@ -37,10 +37,10 @@ from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
 from ogspo.engine.kernels import cpu_model
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
-from ogspo.engine.target import synchronize
 from ogspo.engine.tree import DraftTree
 from ogspo.methods.ogspo import OgspoTree
 from ogspo.methods.registry import AA_CHECK, EVAL_METHODS, REFERENCE, TUNED, make_policy
+from ogspo.stages.calibrate import probe_seconds
 from ogspo.stages.summary import summarize_requests, temperature_tag
 
 
@@ -200,9 +200,10 @@ class CycleLog:
         self.cycles.append((widths, int(len(trace.verified)), int(trace.context_length), len(trace.committed)))
 
 
-def predicted_seconds(cycles: list[tuple[list[int], int, int, int]], latency) -> float:
-    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed(n) + t_catchup(A) (docs/DESIGN.md §4)."""
-    return float(sum(float(latency.t_cycle(w, n, L, accepted=a)) for w, n, L, a in cycles))
+def predicted_seconds(cycles: list[tuple[list[int], int, int, int]], latency, speed: float = 1.0) -> float:
+    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed(n) + t_catchup(A) (docs/DESIGN.md §4),
+    in the machine state `speed` (`LatencyModel.t_cycle`)."""
+    return float(sum(float(latency.t_cycle(w, n, L, accepted=a, speed=speed)) for w, n, L, a in cycles))
 
 
 @dataclass
@@ -247,8 +248,8 @@ class RequestRow:
     policy_seconds: float
     verify_seconds: float
     other_seconds: float
-    predicted_seconds: float  # measured prefill + the latency model's time of the cycles that ran (x speed_factor)
-    speed_factor: float  # `SpeedProbe` after the request: one-token forward now / at calibration (recent median)
+    predicted_seconds: float  # measured prefill + the latency model's time of the cycles that ran, in the request's state
+    speed_factor: float  # `SpeedProbe`: the request's machine state (one-token forward over the model's, probes around it)
     predicted_throughput: float
     lossless: str  # identical | near-tie | n/a (T>0, or the reference itself)
     first_mismatch: int  # -1 when identical / n/a
@@ -271,43 +272,33 @@ def quiet_gc():
 
 
 def probe_speed(target, latency, *, reps: int = 3) -> float:
-    """The machine's speed now against the calibration: median seconds of `reps` one-token target forwards
-    after the committed rows (untimed for the request; the rows are dropped again) over the latency
-    model's t_verify(1, L)."""
-    dev, L = target.device, target.cache.length
-    times = []
-    for _ in range(reps):
-        tok = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]
-        synchronize(dev)
-        t0 = time.perf_counter()
-        target.forward(tok, torch.tensor([L], device=dev), None)
-        synchronize(dev)
-        times.append(time.perf_counter() - t0)
-        target.cache.commit(None)
-    return float(np.median(times)) / float(latency.t_verify(1, L))
+    """The machine's state now against the latency model's mean state (`LatencyModel.speed_ratio` of
+    `calibrate.probe_seconds`: `reps` one-token forwards after the committed rows, untimed for the request)."""
+    return latency.speed_ratio(probe_seconds(target, reps), target.cache.length)
 
 
 class SpeedProbe:
-    """The drift of the machine since calibration, for the latency model's predictions: after every
-    request, `probe_speed` (three one-token forwards, untimed for the request); the factor used is the
-    median of the last `window` probes (~ the last minutes), because one probe is itself noisy (sd ~15%
-    on a shared 2-core VM) while the drift is slow and uniform across shapes. Measured on calibration
-    shapes, never on the requests' own times."""
+    """The machine's state during a request, for the latency model's predictions: after every request,
+    `probe_speed`; a request's state is the mean of the probe before it (the previous request's) and the
+    one after it. A shared CPU flips between states for tens of seconds (on the 2-core AMD EPYC a one-row
+    forward between ~7.5 and ~11 ms), longer than a request, so the probes next to it tell its state; how
+    each shape follows the state is the model's `drift_elasticity`. Measured on a probe, never on the
+    requests' own times."""
 
-    def __init__(self, window: int = 15):
+    def __init__(self, window: int = 2):
         self.window = window
         self.samples: list[float] = []
 
     def __call__(self, target, latency) -> float:
         self.samples.append(probe_speed(target, latency))
-        return float(np.median(self.samples[-self.window:]))
+        return float(np.mean(self.samples[-self.window:]))
 
 
 def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency,
                 speed: SpeedProbe | None = None) -> tuple[GenerationResult, dict]:
     """Decode one request with one method; returns the result and its timing/prediction figures (the
-    prediction is the measured prefill plus the latency model's cycles, times the drift factor of
-    `speed` when given)."""
+    prediction is the measured prefill plus the latency model's cycles in the machine state `speed`
+    reads around the request, when given)."""
     me.log.cycles.clear()
     if me.hook is not None:
         me.hook.seconds = 0.0
@@ -318,7 +309,7 @@ def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, see
     pred = factor = float("nan")
     if latency is not None:
         factor = speed(me.engine.target, latency) if speed is not None else 1.0
-        pred = split["prefill"] + factor * predicted_seconds(me.log.cycles, latency)
+        pred = split["prefill"] + predicted_seconds(me.log.cycles, latency, factor)
     figures = {
         "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
         "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
