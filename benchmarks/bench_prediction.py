@@ -1,13 +1,17 @@
-"""Benchmark: the latency model against real requests, per cycle kind (no eval prompts: calib prompts only).
+"""Benchmark: the latency model against real requests, per method and cell (calib prompts only, never eval).
 
-    .venv/bin/python benchmarks/bench_prediction.py [--results results/cpu] [--prompts 3] [--tokens 96] [--repeats 2] [--write]
+    .venv/bin/python benchmarks/bench_prediction.py [--results results/cpu] [--prompts 3] [--tokens 96] [--repeats 2]
+                                                    [--temperatures 0 1] [--write]
 
 Loads the run's model, EAGLE head, kernel table and latency.json, then decodes the first `--prompts`
-calib prompts of every workload with autoregressive decoding, a 2-token chain, the T=0 Sequoia tree of
-the run and the EAGLE-3 tree [2, 1, 2], interleaved in mirrored orders, `--repeats` times, at T=0. Per
-method it prints the median of predicted / realised throughput per request (prefill measured, every
-cycle replaced by the latency model's t_draft + t_verify + t_fixed) and the per-cycle split realised vs
-modelled, and with --write puts the table into docs/BENCHMARKS.md.
+calib prompts of every workload with the methods evaluate compares: autoregressive decoding, tuned
+EAGLE-3 (the run's tune_eagle winner of the cell), Sequoia's tree and `ogspo` (the exported policy
+folder), plus a 2-token chain, interleaved in mirrored orders, `--repeats` times, at each temperature.
+Per request the prediction is what evaluate computes: the measured prefill plus the latency model's
+t_draft + t_verify + t_fixed + t_catchup of the cycles that ran, in the machine state probed around the
+request (`SpeedProbe`). Prints the median of predicted / realised throughput per method pooled and per
+cell (workload x temperature), against the bands of issue #36 (pooled 0.95-1.05, cells 0.90-1.10), and
+with --write puts the tables into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -21,32 +25,36 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, git_commit, write_section  # noqa: E402
+
+POOLED_BAND = (0.95, 1.05)
+CELL_BAND = (0.90, 1.10)
 
 
 def main() -> None:
     from ogspo.artifacts.latency import LatencyModel
     from ogspo.engine.kernels import read_kernel_table
-    from ogspo.engine.policies import Autoregressive, DynamicTree, chain
     from ogspo.methods.registry import make_drafter, make_target
     from ogspo.stages.evaluate import (
         MethodSpec,
         SpeedProbe,
+        build_policy,
         load_prompts,
         make_method_engine,
         pair_seed,
         run_request,
         slot_order,
         slot_seed,
-        structure_policy,
     )
     from ogspo.stages.model import load_target, read_manifest
+    from ogspo.stages.summary import temperature_tag
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", type=Path, default=REPO / "results/cpu")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     res = args.results
@@ -58,42 +66,65 @@ def main() -> None:
     target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
     latency = LatencyModel.from_json(res / "latency/latency.json", expect_model=checksum, expect_drafter=drafter.drafter_id)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="calib", n=args.prompts)
-    policies = {"ar": Autoregressive(), "chain2": chain(2), "eagle2-1-2": DynamicTree(total_tokens=2, depth=1, top_k=2)}
-    if (res / "sequoia/T0/structure.json").is_file():
-        policies["sequoia"] = structure_policy(res / "sequoia/T0/structure.json", "sequoia")
-    engines = [make_method_engine(MethodSpec(name=n, kind="eagle-default"), p, target=target, drafter=drafter, temperature=0.0)
-               for n, p in policies.items()]
-    ratios: dict[str, list[float]] = {n: [] for n in policies}
+    artifacts = {"eagle-tuned": str(res / "evaluate/tune_{T}.json"), "sequoia": str(res / "sequoia/{T}/structure.json"),
+                 "ogspo": str(res / "policy/{T}")}
+    specs = [MethodSpec(name="ar", kind="ar"), MethodSpec(name="chain2", kind="chain", k=2),
+             MethodSpec(name="eagle-tuned", kind="eagle-tuned"), MethodSpec(name="sequoia", kind="sequoia"),
+             MethodSpec(name="ogspo", kind="ogspo")]
+    ratios: dict[tuple[str, str], list[float]] = {}  # (method, cell) -> predicted / realised throughput
+    per_cycle: dict[str, list[tuple[float, float]]] = {s.name: [] for s in specs}
     speed = SpeedProbe()
-    per_cycle: dict[str, list[tuple[float, float]]] = {n: [] for n in policies}
-    for repeat in range(args.repeats):
+    for temp in args.temperatures:
         for w, plist in prompts.items():
-            for index, (pid, prompt) in enumerate(plist):
-                target.prefill(prompt)
-                for j in slot_order(len(engines), pair_seed(0, 0.0, w, index, repeat), index):
-                    me = engines[j]
-                    r, fig = run_request(me, prompt, max_new_tokens=args.tokens, seed=slot_seed(0, w, pid, repeat),
-                                         latency=latency, speed=speed)
-                    ratios[me.spec.name].append(fig["predicted_throughput"] / r.throughput)
-                    n = len(r.cycles)
-                    per_cycle[me.spec.name].append(((r.wall_seconds - r.prefill_seconds) / n,
-                                                    (fig["predicted_seconds"] - r.prefill_seconds) / n))
-    lines = ["| method | requests | predicted / realised (median) | [min, max] | realised ms/cycle | modelled ms/cycle |",
-             "|---|---:|---:|---|---:|---:|"]
-    for n, v in ratios.items():
-        pc = np.array(per_cycle[n])
-        lines.append(f"| {n} | {len(v)} | {np.median(v):.3f} | [{min(v):.3f}, {max(v):.3f}] | "
+            cell = f"{w} T={temp:g}"
+            engines = [make_method_engine(s, build_policy(s, temperature=temp, workload=w, artifacts=artifacts),
+                                          target=target, drafter=drafter, temperature=temp) for s in specs]
+            for repeat in range(args.repeats):
+                for index, (pid, prompt) in enumerate(plist):
+                    target.prefill(prompt)
+                    for j in slot_order(len(engines), pair_seed(0, temp, w, index, repeat), index):
+                        me = engines[j]
+                        r, fig = run_request(me, prompt, max_new_tokens=args.tokens, seed=slot_seed(0, w, pid, repeat),
+                                             latency=latency, speed=speed)
+                        ratios.setdefault((me.spec.name, cell), []).append(fig["predicted_throughput"] / r.throughput)
+                        n = len(r.cycles)
+                        per_cycle[me.spec.name].append(((r.wall_seconds - r.prefill_seconds) / n,
+                                                        (fig["predicted_seconds"] - r.prefill_seconds) / n))
+        print(f"T={temp:g} done", flush=True)
+    cells = sorted({c for _, c in ratios}, key=lambda c: (c.split(" T=")[1], c))
+    lines = ["| method | requests | pooled predicted / realised (median) | in 0.95-1.05 | cells (median) | all cells in 0.90-1.10 "
+             "| realised ms/cycle | modelled ms/cycle |", "|---|---:|---:|---|---|---|---:|---:|"]
+    for s in specs:
+        pooled = [v for (m, _), vs in ratios.items() if m == s.name for v in vs]
+        meds = [float(np.median(ratios[(s.name, c)])) for c in cells if (s.name, c) in ratios]
+        pc = np.array(per_cycle[s.name])
+        ok_p = POOLED_BAND[0] <= np.median(pooled) <= POOLED_BAND[1]
+        ok_c = all(CELL_BAND[0] <= x <= CELL_BAND[1] for x in meds)
+        lines.append(f"| {s.name} | {len(pooled)} | {np.median(pooled):.3f} | {'yes' if ok_p else 'no'} | "
+                     f"{min(meds):.3f}-{max(meds):.3f} | {'yes' if ok_c else 'no'} | "
                      f"{1e3 * np.median(pc[:, 0]):.1f} | {1e3 * np.median(pc[:, 1]):.1f} |")
-    table = "\n".join(lines)
+    cell_lines = ["| method | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
+    for s in specs:
+        cell_lines.append(f"| {s.name} | " + " | ".join(
+            f"{np.median(ratios[(s.name, c)]):.3f}" if (s.name, c) in ratios else "-" for c in cells) + " |")
+    tags = ", ".join(temperature_tag(t) for t in args.temperatures)
     text = f"""## Latency model against real requests (`benchmarks/bench_prediction.py`)
 
-{dt.date.today()}, {cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; the run's
-model, head, kernel table and latency.json ({res}); {args.prompts} calib prompts per workload x {args.tokens}
-tokens x {args.repeats} repeats at T=0, methods interleaved in mirrored orders. t_fixed {1e3 * latency.fixed:.2f} ms
+{dt.date.today()}, commit {git_commit()}, {cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__},
+target in {target.dtype}; the run's model, head, kernel table, latency.json and method artifacts ({tags});
+{args.prompts} calib prompts per workload x {args.tokens} tokens x {args.repeats} repeats per temperature, methods
+interleaved in mirrored orders, each request predicted in the machine state probed around it. Reproduce:
+`PATH=.venv/bin:$PATH python benchmarks/bench_prediction.py --write`. Model: t_fixed {1e3 * latency.fixed:.2f} ms
 (speculative cycle), {1e3 * latency.fixed_ar:.2f} ms (autoregressive step); t_verify(1, 256)
-{1e3 * float(latency.t_verify(1, 256)):.1f} ms.
+{1e3 * float(latency.t_verify(1, 256)):.1f} ms, t_verify(8, 256) / t_verify(1, 256)
+{float(latency.t_verify(8, 256) / latency.t_verify(1, 256)):.2f}; elasticity at n = 2, 4, 8:
+{", ".join(f"{float(latency.elasticity(n)):.2f}" for n in (2, 4, 8))}.
 
-{table}
+{chr(10).join(lines)}
+
+Median predicted / realised per cell:
+
+{chr(10).join(cell_lines)}
 """
     print(text)
     if args.write:

@@ -116,20 +116,21 @@ def test_decode_loop_level_sets_one_row_and_tree_rows_where_decoding_runs_them()
 
 
 def test_state_fit_separates_the_machine_state_from_the_shape():
-    """A shape timed in passes that saw two machine states: its level at the mean state and its slope,
-    with one preempted timing that a mean would follow; the elasticity of a flat shape is ~0."""
-    from ogspo.stages.calibrate import fit_elasticity, grid_state, state_fit
+    """Timings seen in two machine states (each with its probe's state): a shape's level at the mean state
+    and its slope, with one preempted timing that a mean would follow; the elasticity of a flat shape is
+    ~0, that of a one-row shape 1."""
+    from ogspo.stages.calibrate import fit_elasticity, state_fit
 
-    x = np.array([0.75, 0.75, 1.1, 1.1, 0.75, 1.1, 0.75, 1.1])  # the passes' one-row speed
+    x = np.array([0.75, 0.75, 1.1, 1.1, 0.75, 1.1, 0.75, 1.1])  # the probes' states
+    mean = float(x.mean())
     one = {(1, L): list(0.010 * x * (1 + L / 1000)) for L in (100, 300)}
-    flat = list(0.012 + 0.0005 * (x - x.mean()))
+    flat = list(0.012 + 0.0005 * (x - mean))
     flat[2] = 0.050  # preempted
-    state = grid_state(one, list(one))
-    assert state == pytest.approx(x / np.median(x))
-    level, slope = state_fit(flat, state)
-    assert level == pytest.approx(0.012, rel=0.02)
+    level, slope = state_fit(flat, x, mean)
+    assert level == pytest.approx(0.012, rel=0.02) and slope == pytest.approx(0.0005, rel=0.05)
+    assert state_fit(one[(1, 100)], x, mean)[0] == pytest.approx(0.010 * 1.1 * mean)
     samples = {**one, (8, 100): flat, (8, 300): flat}
-    fits = {s: state_fit(v, state) for s, v in samples.items()}
+    fits = {s: state_fit(v, x, mean) for s, v in samples.items()}
     e = fit_elasticity({s: f[0] for s, f in fits.items()}, {s: f[1] for s, f in fits.items()}, [1, 8], [100, 300])
     assert e[0] == 1.0 and 0.0 <= e[1] < 0.15
 

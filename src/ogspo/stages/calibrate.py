@@ -11,13 +11,13 @@
   over n x L; the model is piecewise linear in n (between table sizes) and linear in L (per-size or
   global slope, whichever predicts the table better by leave-one-L-out). A shared CPU changes state
   for tens of seconds, and not uniformly: on the 2-core AMD EPYC a one-row forward flips between ~7.5
-  and ~11 ms while an 8-row forward stays near 12 ms. So each pass over the grid (a few seconds, mostly
-  one state) gets its state from its one-row shapes (`grid_state`), each shape is fitted against the
-  passes' states (`state_fit`): its time at their mean state goes into the table, and how it moves with
-  the one-row forward is the size's `drift_elasticity` (`fit_elasticity`). The table's level is then
-  set where decoding runs it (`decode_loop_level`): the one-row row scaled to the autoregressive steps
-  of real requests, the tree rows to the tree cycles' forwards, each compared in its request's state
-  (a probe before it, `probe_seconds`).
+  and ~11 ms while an 8-row forward stays near 12 ms. So each timing is preceded by a probe (a one-row
+  forward) that gives its state, and each shape is fitted against its timings' states (`state_fit`):
+  its time at the mean state over the whole grid goes into the table, and how it moves with the
+  one-row forward is the size's `drift_elasticity` (`fit_elasticity`). The table's level is then set
+  where decoding runs it (`decode_loop_level`): the one-row row scaled to the autoregressive steps of
+  real requests, the tree rows to the tree cycles' forwards, each compared in its request's state (a
+  probe before it, `probe_seconds`).
 - t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
@@ -120,37 +120,34 @@ def _fill_cache(target: TreeLM, L: int, seed: int) -> None:
         cache.commit_prefix(e - s)
 
 
-def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.random.Generator,
-                  burst: int = 1) -> dict[tuple, list[float]]:
-    """`reps` timings of fn(*shape) per shape, rep-aligned (samples[s][r] is from the r-th pass), shapes
-    interleaved in a shuffled order each pass; with `burst` > 1 each shape runs `burst` times in a row
-    and only the last call is kept (the state a shape meets in decoding: after itself or a similar one,
-    not after any shape of the grid)."""
+def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.random.Generator, burst: int = 1,
+                  probe=None) -> tuple[dict[tuple, list[float]], dict[tuple, list[float]]]:
+    """(samples, probes): `reps` timings of fn(*shape) per shape, shapes interleaved in a shuffled order
+    each pass; with `burst` > 1 each shape runs `burst` times in a row and only the last call is kept
+    (the state a shape meets in decoding: after itself or a similar one, not after any shape of the
+    grid). With `probe` (a timed call), each burst is preceded by one, and probes[s][r] is the probe
+    time of samples[s][r]: the machine's state tens of milliseconds before it (empty lists without)."""
     for _ in range(warmup):
         for s in shapes:
             fn(*s)
     samples: dict[tuple, list[float]] = {s: [] for s in shapes}
+    probes: dict[tuple, list[float]] = {s: [] for s in shapes}
     for _ in range(reps):
         order = rng.permutation(len(shapes))
         for i in order:
+            if probe is not None:
+                probes[shapes[i]].append(probe())
             for _ in range(burst - 1):
                 fn(*shapes[i])
             samples[shapes[i]].append(fn(*shapes[i]))
-    return samples
+    return samples, probes
 
 
-def grid_state(samples: dict[tuple, list[float]], one_row: list[tuple]) -> np.ndarray:
-    """[reps] the machine state of each pass over the grid: the median over the one-row shapes of their
-    time in that pass over their median time (1 = the shape's usual speed; a shared CPU flips between
-    states for tens of seconds, so one pass of a few seconds mostly sees one)."""
-    rel = np.array([np.asarray(samples[s]) / np.median(samples[s]) for s in one_row])  # [shapes, reps]
-    return np.median(rel, axis=0)
-
-
-def state_fit(times, state: np.ndarray) -> tuple[float, float]:
-    """(time at the mean state, d time / d state) of one shape's rep-aligned timings against the passes'
-    states: the slope is the median of pairwise slopes (Theil-Sen, robust to a preempted timing), 0 when
-    the passes saw one state (spread under 3%); the level is the median of the timings moved to the mean state."""
+def state_fit(times, state, mean_state: float) -> tuple[float, float]:
+    """(time at `mean_state`, d time / d state) of one shape's timings against the machine state of each
+    (its probe over the probes' median): the slope is the median of pairwise slopes (Theil-Sen, robust to
+    a preempted timing), 0 when its timings saw one state (spread under 3%); the level is the median of
+    the timings moved to the mean state."""
     t = np.asarray(times, dtype=np.float64)
     x = np.asarray(state, dtype=np.float64)
     slope = 0.0
@@ -159,7 +156,7 @@ def state_fit(times, state: np.ndarray) -> tuple[float, float]:
         keep = np.abs(x[j] - x[i]) > 0.01
         if keep.any():
             slope = float(np.median((t[j] - t[i])[keep] / (x[j] - x[i])[keep]))
-    return float(np.median(t - slope * (x - x.mean()))), slope
+    return float(np.median(t - slope * (x - mean_state))), slope
 
 
 def fit_elasticity(levels: dict[tuple, float], slopes: dict[tuple, float], sizes: list[int], contexts: list[int]) -> list[float]:
@@ -389,13 +386,17 @@ def calibrate_latency(
     # ---- t_verify table and held-out shapes, interleaved
     grid = [(n, L) for n in sizes for L in contexts]
     held = [(n, L) for n in held_sizes for L in held_ctx]
-    samples = _measure_grid(
-        lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng, burst=2
+    samples, probes = _measure_grid(
+        lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng, burst=2,
+        probe=lambda: _time_verify(target, 1, contexts[0], rng),
     )
     target.cache.length, target.cache.pending = filled, 0
-    # every shape at the passes' mean machine state, and how it moves with the state
-    state = grid_state(samples, [(1, L) for L in contexts]) if sizes[0] == 1 else np.ones(reps)
-    fits = {s: state_fit(v, state) for s, v in samples.items()}
+    # every shape at the machine's mean state over the grid, and how it moves with the state: the state of
+    # a timing is its probe (a one-row forward just before) over the probes' median
+    ref = float(np.median([p for v in probes.values() for p in v]))
+    state = {s: np.asarray(v) / ref for s, v in probes.items()}
+    mean_state = float(np.mean(np.concatenate(list(state.values()))))
+    fits = {s: state_fit(v, state[s], mean_state) for s, v in samples.items()}
     verify = {s: lv for s, (lv, _) in fits.items()}
     elasticity = (fit_elasticity(verify, {s: sl for s, (_, sl) in fits.items()}, sizes, contexts) if sizes[0] == 1
                   else [1.0] * len(sizes))
@@ -408,7 +409,7 @@ def calibrate_latency(
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
     pre = target.prefill(prompt)
     draft = {w: float(np.median(v)) for w, v in
-             _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device).items()}
+             _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device)[0].items()}
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
@@ -416,7 +417,9 @@ def calibrate_latency(
         target, drafter, text, tokens=fixed_tokens, seed=seed,
         speed=lambda t: probe_seconds(t) / (a0 + b0 * t.cache.length))
     level = decode_loop_level(sizes, contexts, a, b, table, elasticity, ar_steps, tree_steps)
-    level["grid_state_range"] = [float(state.min()), float(state.max())]
+    all_states = np.concatenate(list(state.values()))
+    level["grid_states"] = {"mean": mean_state, "p10": float(np.percentile(all_states, 10)),
+                            "p90": float(np.percentile(all_states, 90)), "probe_seconds": ref}
     fixed, fixed_slope = fit_fixed(fixed_samples)
     catchup = fit_catchup(first_levels)
     fixed_ar = float(np.median(fixed_ar_samples)) if fixed_ar_samples else 0.0
