@@ -96,23 +96,24 @@ def test_calibrate_latency_runs_and_writes(tmp_path):
     assert LatencyModel.from_json(tmp_path / "latency.json", expect_model="abc", expect_drafter="ee1").sizes == [1, 2, 4, 8, 16]
 
 
-def test_decode_loop_level_sets_one_row_and_tree_rows_where_decoding_runs_them():
+def test_decode_loop_level_scales_the_grid_to_the_decode_loop_in_each_requests_state():
     from ogspo.stages.calibrate import decode_loop_level
 
-    sizes, contexts = [1, 2, 4], [100, 300]
+    sizes = [1, 2, 4]
     a, b = [0.020, 0.022, 0.024], [1e-5, 1e-5, 2e-5]
     elasticity = [1.0, 0.5, 0.0]
-    table = np.array([[ai + bi * L for L in contexts] for ai, bi in zip(a, b)])
-    # the decode loop's one-row forwards run 0.9x the grid in the state they were seen in (f = 1.2, 1.0)
-    ar_steps = [(L, f, 0.9 * f * (0.020 + 1e-5 * L)) for L in range(100, 140) for f in (1.2, 1.0)]
-    # its tree forwards 1.1x the grid moved to their state: n = 2 follows half the state, n = 4 none of it
-    tree_steps = [(n, L, f, 1.1 * (1 + e * (f - 1)) * (ai + bi * L))
-                  for n, e, ai, bi in ((2, 0.5, 0.022, 1e-5), (4, 0.0, 0.024, 2e-5)) for L in (120, 200) for f in (0.8, 1.3)]
-    out = decode_loop_level(sizes, contexts, a, b, table, elasticity, ar_steps, tree_steps)
-    assert out["one_row_scale"] == pytest.approx(0.9) and out["probe_level"] == pytest.approx(1 / 0.9)
-    assert a[0] == pytest.approx(0.018) and table[0, 1] == pytest.approx(0.9 * (0.020 + 1e-5 * 300))
-    assert out["tree_scale"] == pytest.approx(1.1) and a[2] == pytest.approx(1.1 * 0.024) and b[2] == pytest.approx(2.2e-5)
-    assert table[1, 0] == pytest.approx(1.1 * (0.022 + 1e-5 * 100))
+    table = np.array([[ai + bi * L for L in (100, 300)] for ai, bi in zip(a, b)])
+    grid = lambda n, L: a[sizes.index(n)] + b[sizes.index(n)] * L  # noqa: E731
+    # the decode loop runs 0.9x the grid moved to each request's state: n = 1 follows the state, n = 2 half
+    # of it, n = 4 none; one AR request was timed across a state flip its probes missed (1.3x)
+    forwards = [(r, n, L, f, 0.9 * (1 + e * (f - 1)) * grid(n, L))
+                for r, (n, e, f) in enumerate([(1, 1.0, 1.2), (1, 1.0, 0.8), (2, 0.5, 1.3), (4, 0.0, 0.7), (2, 0.5, 1.0)])
+                for L in (120, 200)]
+    forwards += [(5, 1, L, 1.0, 1.3 * grid(1, L)) for L in (120, 200)]
+    out = decode_loop_level(sizes, a, b, table, elasticity, forwards)
+    assert out["scale"] == pytest.approx(0.9) and out["probe_level"] == pytest.approx(1 / 0.9) and out["requests"] == 6
+    assert a[0] == pytest.approx(0.018) and b[2] == pytest.approx(1.8e-5) and table[1, 0] == pytest.approx(0.9 * (0.022 + 1e-5 * 100))
+    assert out["one_row_ratio"] == pytest.approx(0.9) and out["tree_ratio"] == pytest.approx(0.9)
 
 
 def test_state_fit_separates_the_machine_state_from_the_shape():

@@ -15,9 +15,9 @@
   forward) that gives its state, and each shape is fitted against its timings' states (`state_fit`):
   its time at the mean state over the whole grid goes into the table, and how it moves with the
   one-row forward is the size's `drift_elasticity` (`fit_elasticity`). The table's level is then set
-  where decoding runs it (`decode_loop_level`): the one-row row scaled to the autoregressive steps of
-  real requests, the tree rows to the tree cycles' forwards, each compared in its request's state (a
-  probe before it, `probe_seconds`).
+  where decoding runs it (`decode_loop_level`): one scale from the target forwards of real requests
+  (autoregressive and static trees), each compared in its request's state (the probes around it,
+  `probe_seconds`).
 - t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
@@ -197,40 +197,31 @@ CALIBRATION_TEXT = (
 )
 
 
-def decode_loop_level(sizes: list[int], contexts: list[int], a: list[float], b: list[float], table: np.ndarray,
-                      elasticity: list[float], ar_steps: list[tuple[int, float, float]],
-                      tree_steps: list[tuple[int, int, float, float]]) -> dict:
+def decode_loop_level(sizes: list[int], a: list[float], b: list[float], table: np.ndarray, elasticity: list[float],
+                      forwards: list[tuple[int, int, int, float, float]]) -> dict:
     """Set the verify model's level where decoding runs it (in place; the grid keeps its shape in n and L).
-    The grid times each shape in a burst of two, shuffled among the others; the decode loop runs a
-    one-row forward after another (an autoregressive step) and a tree forward after a drafting level.
-    Each decode-loop forward comes with the state of its request (`speed`: the probe before it over the
-    grid's one-row time, `probe_seconds`), and is compared with the grid's model moved to that state
-    through the elasticity: the n = 1 row is scaled by the median ratio of the autoregressive steps, every
-    n > 1 row by that of the tree cycles' forwards. ar_steps: (L, speed, seconds); tree_steps: (n, L,
-    speed, seconds). Returns the figures, with `probe_level`: what a probe reads over the new one-row
-    table in the mean state."""
-    out: dict = {"probe_level": 1.0}
+    The grid times each shape in a burst of two, shuffled among the others, after a probe; the decode
+    loop runs a one-row forward after another (an autoregressive step) and a tree forward after a
+    drafting level. Each decode-loop forward comes with the state of its request (`speed`: the probes
+    around it over the grid's one-row time, `probe_seconds`) and is compared with the grid's model moved
+    to that state through the elasticity; every row is scaled by the median over requests of their
+    median ratio. One scale for all sizes: the grid's ratios between sizes were timed side by side, a
+    few requests in their own states were not (per kind, the scales of one calibration differed by 0.70
+    against 1.06 on the AMD EPYC). forwards: (request, n, L, speed, seconds). Returns the figures, with
+    `probe_level`: what a probe reads over the new one-row table in the mean state."""
     xs = np.asarray(sizes, dtype=np.float64)
-
-    def grid_at(n, L, speed):
-        t = np.interp(n, xs, np.asarray(a)) + np.interp(n, xs, np.asarray(b)) * L
-        return t * (1.0 + np.interp(n, xs, np.asarray(elasticity)) * (speed - 1.0))
-
-    if ar_steps and sizes[0] == 1:
-        L1, f1, s1 = np.array(ar_steps, dtype=np.float64).T
-        k = float(np.median(s1 / grid_at(1.0, L1, f1)))
-        a[0], b[0] = a[0] * k, b[0] * k
-        table[0] = table[0] * k
-        out["one_row_scale"], out["probe_level"] = k, 1.0 / k
-    rows = [i for i, n in enumerate(sizes) if n > 1]
-    if tree_steps and rows:
-        n, L, f, s = np.array(tree_steps, dtype=np.float64).T
-        scale = float(np.median(s / grid_at(n, L, f)))
-        for i in rows:
-            a[i], b[i] = a[i] * scale, b[i] * scale
-            table[i] = table[i] * scale
-        out["tree_scale"] = scale
-    return out
+    req, n, L, f, sec = np.array(forwards, dtype=np.float64).T
+    grid = (np.interp(n, xs, np.asarray(a)) + np.interp(n, xs, np.asarray(b)) * L) * (1.0 + np.interp(n, xs, np.asarray(elasticity)) * (f - 1.0))
+    ratio = sec / grid
+    per_request = {int(r): (int(n[req == r][0]), float(np.median(ratio[req == r]))) for r in np.unique(req)}
+    scale = float(np.median([v for _, v in per_request.values()]))
+    for i in range(len(sizes)):
+        a[i], b[i] = a[i] * scale, b[i] * scale
+    table *= scale
+    one = [v for k, v in per_request.values() if k == 1]
+    tree = [v for k, v in per_request.values() if k > 1]
+    return {"scale": scale, "probe_level": 1.0 / scale, "requests": len(per_request),
+            "one_row_ratio": float(np.median(one)) if one else None, "tree_ratio": float(np.median(tree)) if tree else None}
 
 
 # static trees whose real cycles give t_fixed of a speculative cycle: a 2-token chain, a small and a bushy tree
@@ -284,21 +275,20 @@ def fit_catchup(samples: list[tuple[int, float]], min_samples: int = 3) -> list[
 
 
 def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int, seed: int,
-                  speed: Callable[[TreeLM], float], rounds: int = 3):
+                  speed: Callable[[TreeLM], float], rounds: int = 4):
     """([(verified nodes, overhead)] of speculative cycles, [overhead] of autoregressive steps, [(previous
-    cycle's committed tokens, first draft level seconds)], [(context length, speed, target forward
-    seconds)] of the autoregressive steps, [(n, context length, speed, target forward seconds)] of the tree
-    cycles), in seconds, from real requests of `tokens` new tokens: `rounds` rounds of autoregressive
-    decoding without a drafter and each of `FIXED_TREES`, in a shuffled order per round, every request
-    after a probe of the machine's state (`speed(target)`), so the kinds see the same mix of states."""
+    cycle's committed tokens, first draft level seconds)], [(request, verified nodes, context length,
+    speed, target forward seconds)] of every cycle), in seconds, from real requests of `tokens` new
+    tokens: `rounds` rounds of autoregressive decoding without a drafter and each of `FIXED_TREES`, in a
+    shuffled order per round; a request's state is the mean of the probes before and after it
+    (`speed(target)`), so the kinds are compared in the states they met."""
     rng = np.random.default_rng(seed)
     ar = SpeculativeEngine(target=target, policy=Autoregressive())
     trees = [SpeculativeEngine(target=target, policy=StaticTree(S), drafter=drafter) for S in FIXED_TREES]
     ar_samples: list[float] = []
     tree_samples: list[tuple[int, float]] = []
     first: list[tuple[int, float]] = []
-    steps: list[tuple[int, float, float]] = []
-    tree_verify: list[tuple[int, int, float, float]] = []
+    forwards: list[tuple[int, int, int, float, float]] = []
     ar.generate(prompt, max_new_tokens=4, seed=seed)  # warm-up of the one-row shapes
     own = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
     # the trees continue the target's own text, where the drafter guesses as it does on real text (given a
@@ -306,23 +296,24 @@ def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, to
     text = list(prompt) + own.tokens
     for eng in trees:
         eng.generate(text, max_new_tokens=4, seed=seed)
-    for _ in range(rounds):
-        for j in rng.permutation(len(trees) + 1):
-            f = speed(target)
-            if j == 0:
-                res = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
-                ar_samples += [s for _, s in _overhead_per_cycle(res)]
-                # the one-row forward of an autoregressive step where it runs, in the decode loop
-                steps += [(len(prompt) + i, f, c.verify_seconds) for i, c in enumerate(res.cycles)]
-                continue
+    before = speed(target)
+    order = [int(j) for _ in range(rounds) for j in rng.permutation(len(trees) + 1)]
+    for request, j in enumerate(order):
+        if j == 0:
+            res = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
+            ar_samples += [s for _, s in _overhead_per_cycle(res)]
+        else:
             res = trees[j - 1].generate(text, max_new_tokens=tokens, seed=seed)
             tree_samples += _overhead_per_cycle(res)
             first += _first_levels(res)
-            L = len(text)
-            for c in res.cycles:  # (verified nodes, committed context, state, forward seconds) in the decode loop
-                tree_verify.append((c.tree_size + 1, L, f, c.verify_seconds))
-                L += c.accepted
-    return tree_samples, ar_samples, first, steps, tree_verify
+        after = speed(target)
+        f = 0.5 * (before + after)
+        L = len(prompt) if j == 0 else len(text)
+        for c in res.cycles:  # (request, verified nodes, committed context, state, forward seconds) in the decode loop
+            forwards.append((request, c.tree_size + 1, L, f, c.verify_seconds))
+            L += c.accepted
+        before = after
+    return tree_samples, ar_samples, first, forwards
 
 
 def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
@@ -413,10 +404,10 @@ def calibrate_latency(
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
-    fixed_samples, fixed_ar_samples, first_levels, ar_steps, tree_steps = measure_fixed(
+    fixed_samples, fixed_ar_samples, first_levels, forwards = measure_fixed(
         target, drafter, text, tokens=fixed_tokens, seed=seed,
         speed=lambda t: probe_seconds(t) / (a0 + b0 * t.cache.length))
-    level = decode_loop_level(sizes, contexts, a, b, table, elasticity, ar_steps, tree_steps)
+    level = decode_loop_level(sizes, a, b, table, elasticity, forwards)
     all_states = np.concatenate(list(state.values()))
     level["grid_states"] = {"mean": mean_state, "p10": float(np.percentile(all_states, 10)),
                             "p90": float(np.percentile(all_states, 90)), "probe_seconds": ref}
@@ -441,7 +432,7 @@ def calibrate_latency(
     validation = []
     for n, L in held:  # the grid's held-out shapes, at the decode loop's level like the table (interpolation error)
         pred = float(model.t_verify(n, L))
-        meas = verify[(n, L)] * (level.get("tree_scale", 1.0) if n > 1 else 1.0)
+        meas = verify[(n, L)] * level["scale"]
         validation.append({"n": n, "L": L, "measured": meas, "predicted": pred, "ape": abs(pred - meas) / meas})
     mdape = float(np.median([v["ape"] for v in validation])) if validation else float("nan")
     model.meta["validation_mdape"] = mdape
