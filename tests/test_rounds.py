@@ -274,6 +274,23 @@ def test_compare_to_static_keeps_a_clear_win_and_not_a_tie():
     assert tie["ratio"] == pytest.approx(1.0) and not tie["interval"][0] > 1.0
 
 
+def test_stop_only_bound_is_each_cycles_best_depth_over_the_best_fixed_depth():
+    """Two kinds of cycles: half commit 3 tokens at depth 2 (depth 1: 2), half gain nothing past depth 1.
+    Depth 1 for all: 2 tokens per 1 s; depth 2 for all: 2.5 per 1.5 s; each cycle at its own best depth
+    (the outcome known): 2 per 1 s and 3 per 1.5 s alike, J = 2.0 — the bound equals the best fixed depth
+    here, and exceeds it once depth 2 is cheaper for the cycles that gain from it."""
+    from ogspo.learn.ship import stop_only_bound
+
+    A = np.array([[2.0, 3.0], [2.0, 2.0]] * 5)  # [C, D]
+    t = np.array([[1.0, 1.5], [1.0, 1.5]] * 5)
+    out = stop_only_bound(A, t)
+    assert out["best_fixed_depth"] == 1 and out["best_fixed_J"] == pytest.approx(2.0)
+    assert out["bound_J"] == pytest.approx(2.0) and out["bound_gain"] == pytest.approx(0.0)
+    t2 = np.array([[1.0, 1.2], [1.0, 1.5]] * 5)  # 3 tokens per 1.2 s beats 2 per 1 s
+    out2 = stop_only_bound(A, t2)
+    assert out2["bound_J"] == pytest.approx((2.0 + 3.0) / (1.0 + 1.2)) and out2["bound_gain"] > 0.1
+
+
 def test_a_sequoia_tree_outside_the_records_template_is_left_out_not_fatal(records):
     """Sequoia may size a tree with nodes the template never drafted (seen in the quick run: [2, 2] in a
     template of width 2 at depth 2); the keep/drop rule cannot replay it, so it leaves it out and says so."""
@@ -313,6 +330,11 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     for w, v in ship.workloads.items():
         assert v["shipped"] != "policy" and v["shipped"] == max(cands, key=lambda n: v["J"][n])
         assert v["structure"] == cands[v["shipped"]].to_list()
+        so = v["stop_only"]  # the bound of S over its best fixed depth, which is one of the static trees
+        assert so["best_fixed_J"] == pytest.approx(v["J"][f"S<={so['best_fixed_depth']}"]) and so["bound_gain"] >= 0
+    ho = ship.figures["holdout"]  # the test's power is said: a detectable gain, or none with one held-out request
+    assert ("smallest gain this test detects" in ship.reason and ho["detectable_gain"] > 0) or (
+        ho["n_requests"] == 1 and ho["detectable_gain"] is None and "detects no gain" in ship.reason)
     # through the stage outputs: no policy.pt, the static tree as structure.json, a static policy folder
     res = rounds_mod.RoundsResult(rows=[], structure=SUB, head=stop_now, lam=1.0, incumbent_round=0, stop_reason="test",
                                   oracle_throughput=None, same_trace=pl.DataFrame())

@@ -125,13 +125,14 @@ class LatencyModel:
         """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n) + t_catchup(A) (level_widths:
         frontier widths; A: tokens the cycle commits). A cycle that drafted nothing and verifies the root
         alone is an autoregressive step (no drafter, so no catch-up either). `speed`: the machine state
-        (see `t_verify`); the drafter and the overheads are scaled by it as they are."""
+        (see `t_verify`); it moves the target's forward only: the head's levels and the per-cycle overheads
+        (Python, small matmuls) kept their times in both states on the AMD EPYC."""
         widths = np.asarray(list(level_widths), dtype=np.float64)
         draft = float(np.sum(self.t_draft(widths))) if len(widths) else 0.0
         n = np.asarray(n_verify)
         drafted = (n > 1) | bool((widths > 0).any())
         rest = draft + self.t_fixed(n, drafted) + np.where(drafted, self.t_catchup(accepted), 0.0)
-        return self.t_verify(n, L, speed) + speed * rest
+        return self.t_verify(n, L, speed) + rest
 
     # ---- JSON
     def to_json(self) -> dict:

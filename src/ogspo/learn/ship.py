@@ -28,7 +28,7 @@ import numpy as np
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
 from ogspo.engine.tree import Structure
-from ogspo.learn.policy import PolicyHead, combine_data, offline_states, policy_depths, split_requests
+from ogspo.learn.policy import PolicyHead, combine_data, offline_states, policy_depths, posterior_bound, split_requests
 from ogspo.offline.replay import replay, replay_cycles
 from ogspo.offline.solve import combine_cycles
 
@@ -53,10 +53,23 @@ def static_candidates(structure: Structure, sequoia: Structure | None) -> dict[s
     return out
 
 
+def stop_only_bound(A_depth: np.ndarray, t_depth: np.ndarray) -> dict:
+    """What any stop policy over S could add on these cycles: A_depth, t_depth [C, D] (each cycle stopped
+    at depth d = 1..D). The best fixed depth, its J, and the stop-only posterior bound (each cycle at its
+    own best depth, knowing the outcome: `posterior_bound`) with its gain over that depth."""
+    fixed = A_depth.sum(0) / t_depth.sum(0)  # [D]
+    _, bound = posterior_bound(A_depth, t_depth)
+    d = int(np.argmax(fixed))
+    bound = max(bound, float(fixed[d]))  # a fixed depth is one choice of depths: the bound is never below it (rounding)
+    return {"best_fixed_depth": d + 1, "best_fixed_J": float(fixed[d]), "bound_J": bound,
+            "bound_gain": float(bound / fixed[d] - 1.0)}
+
+
 def per_workload(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, names: list[str], cands: dict[str, Structure],
-                 keep_policy: bool) -> dict[str, dict]:
+                 keep_policy: bool, A_depth: np.ndarray, t_depth: np.ndarray) -> dict[str, dict]:
     """Per workload (request id prefix): the fastest on its record cycles among the static trees (rows
-    1..K of A, t [K + 1, C]), and the policy (row 0) only where it was kept."""
+    1..K of A, t [K + 1, C]), and the policy (row 0) only where it was kept; beside it, the stop-only
+    bound of S on its cycles (`stop_only_bound` of A_depth, t_depth [C, D])."""
     work = np.array([str(r).split("/", 1)[0] for r in requests.tolist()], dtype=object)
     out = {}
     for w in sorted(set(work.tolist())):
@@ -67,7 +80,8 @@ def per_workload(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, names: l
         name = "policy" if pick == 0 else names[pick - 1]
         structure = cands[names[best - 1]] if pick else None
         out[w] = {"shipped": name, "structure": None if structure is None else structure.to_list(),
-                  "J": dict(zip(["policy", *names], J.tolist())), "n_cycles": int(rows.sum())}
+                  "J": dict(zip(["policy", *names], J.tolist())), "n_cycles": int(rows.sum()),
+                  "stop_only": stop_only_bound(A_depth[rows], t_depth[rows])}
     return out
 
 
@@ -121,17 +135,25 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     J_all = A.sum(1) / t.sum(1)  # [K + 1]
     best_all = names[int(np.argmax(J_all[1:]))]
     figs: dict = {"candidates": {n: cands[n].to_list() for n in names}, "J_all": dict(zip(["policy", *names], J_all.tolist())),
-                  "margin": margin, "n_holdout_cycles": int(len(ho)), "sequoia_outside_template": outside}
+                  "margin": margin, "n_holdout_cycles": int(len(ho)), "sequoia_outside_template": outside,
+                  "stop_only": stop_only_bound(data.accepted, data.seconds)}
+    depth_tables = {"A_depth": data.accepted, "t_depth": data.seconds}
     if len(ho) == 0:
         return ShipDecision(False, cands[best_all], best_all, "no held-out record requests to test the policy on", figs,
-                            per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=False))
+                            per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=False,
+                                         **depth_tables))
     cmp = compare_to_static(A=A[:, ho], t=t[:, ho], requests=data.requests[ho], names=names, seed=seed, n_boot=n_boot)
-    figs["holdout"] = cmp
     lo, hi = cmp["interval"]
+    # a policy this much better would just exclude 1 (a bootstrap over one request has no spread: no power)
+    cmp["detectable_gain"] = float((hi - lo) / 2) if cmp["n_requests"] > 1 else None
+    figs["holdout"] = cmp
+    power = ("one held-out request: this test detects no gain" if cmp["detectable_gain"] is None
+             else f"smallest gain this test detects ~{100 * cmp['detectable_gain']:.1f}%")
     said = (f"policy / best static tree ({cmp['best_static']}) on {cmp['n_requests']} held-out record requests "
-            f"{cmp['ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
+            f"{cmp['ratio']:.3f} [{lo:.3f}, {hi:.3f}] ({power}; stop-only bound over the best fixed depth on all "
+            f"record cycles +{100 * figs['stop_only']['bound_gain']:.1f}%)")
     keep = bool(lo > 1.0 + margin)
-    works = per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=keep)
+    works = per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=keep, **depth_tables)
     by_w = "; per workload: " + ", ".join(f"{w} {v['shipped']}" for w, v in works.items())
     if keep:
         return ShipDecision(True, structure, "policy", f"{said}: above 1 + {margin:g}, the policy ships{by_w}", figs, works)

@@ -15,9 +15,9 @@
   forward) that gives its state, and each shape is fitted against its timings' states (`state_fit`):
   its time at the mean state over the whole grid goes into the table, and how it moves with the
   one-row forward is the size's `drift_elasticity` (`fit_elasticity`). The table's level is then set
-  where decoding runs it (`decode_loop_level`): one scale from the target forwards of real requests
-  (autoregressive and static trees), each compared in its request's state (the probes around it,
-  `probe_seconds`).
+  where decoding runs it (`decode_loop_level`): the one-row row scaled to the autoregressive steps of
+  real requests, the tree rows to the static-tree cycles' forwards, each request compared in its state
+  (the probes around it, `probe_seconds`).
 - t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
@@ -146,8 +146,9 @@ def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.ra
 def state_fit(times, state, mean_state: float) -> tuple[float, float]:
     """(time at `mean_state`, d time / d state) of one shape's timings against the machine state of each
     (its probe over the probes' median): the slope is the median of pairwise slopes (Theil-Sen, robust to
-    a preempted timing), 0 when its timings saw one state (spread under 3%); the level is the median of
-    the timings moved to the mean state."""
+    a preempted timing), 0 when its timings saw one state (spread under 3%); the level is the mean of the
+    timings moved to the mean state, the highest and lowest tenth left out (a preempted timing). A mean,
+    not a median: the machine's states are two modes, and a median picks one."""
     t = np.asarray(times, dtype=np.float64)
     x = np.asarray(state, dtype=np.float64)
     slope = 0.0
@@ -156,17 +157,33 @@ def state_fit(times, state, mean_state: float) -> tuple[float, float]:
         keep = np.abs(x[j] - x[i]) > 0.01
         if keep.any():
             slope = float(np.median((t[j] - t[i])[keep] / (x[j] - x[i])[keep]))
-    return float(np.median(t - slope * (x - mean_state))), slope
+    moved = np.sort(t - slope * (x - mean_state))
+    cut = len(moved) // 10
+    return float(moved[cut: len(moved) - cut].mean()), slope
+
+
+def _non_increasing(y: list[float]) -> list[float]:
+    """The least-squares non-increasing fit of y (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in y:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def fit_elasticity(levels: dict[tuple, float], slopes: dict[tuple, float], sizes: list[int], contexts: list[int]) -> list[float]:
     """Per table size, the relative change of t_verify(n, L) per relative change of t_verify(1, L), median
-    over L, clipped to [0, 1.5] (1 at n = 1; all 1 when the one-row forwards did not move)."""
-    out = []
+    over L; then non-increasing in n within [0, 1] (a forward over more rows is less bound by the memory
+    bandwidth a neighbour takes), 1 at n = 1; all 1 when the one-row forwards did not move."""
+    raw = []
     for n in sizes:
         e = [(slopes[(n, L)] / levels[(n, L)]) / (slopes[(1, L)] / levels[(1, L)]) for L in contexts if slopes[(1, L)] > 0]
-        out.append(float(np.clip(np.median(e), 0.0, 1.5)) if e and n > 1 else 1.0)
-    return out
+        raw.append(float(np.median(e)) if e else 1.0)
+    if sizes[0] != 1 or not any(slopes[(1, L)] > 0 for L in contexts):
+        return [1.0] * len(sizes)
+    return [1.0] + [float(np.clip(v, 0.0, 1.0)) for v in _non_increasing([min(v, 1.0) for v in raw[1:]])]
 
 
 def probe_seconds(target: TreeLM, reps: int = 3) -> float:
@@ -200,28 +217,31 @@ CALIBRATION_TEXT = (
 def decode_loop_level(sizes: list[int], a: list[float], b: list[float], table: np.ndarray, elasticity: list[float],
                       forwards: list[tuple[int, int, int, float, float]]) -> dict:
     """Set the verify model's level where decoding runs it (in place; the grid keeps its shape in n and L).
-    The grid times each shape in a burst of two, shuffled among the others, after a probe; the decode
-    loop runs a one-row forward after another (an autoregressive step) and a tree forward after a
-    drafting level. Each decode-loop forward comes with the state of its request (`speed`: the probes
-    around it over the grid's one-row time, `probe_seconds`) and is compared with the grid's model moved
-    to that state through the elasticity; every row is scaled by the median over requests of their
-    median ratio. One scale for all sizes: the grid's ratios between sizes were timed side by side, a
-    few requests in their own states were not (per kind, the scales of one calibration differed by 0.70
-    against 1.06 on the AMD EPYC). forwards: (request, n, L, speed, seconds). Returns the figures, with
-    `probe_level`: what a probe reads over the new one-row table in the mean state."""
+    The grid times each shape in a burst of two after a probe, shuffled among the others; the decode loop
+    runs a one-row forward after another (an autoregressive step) but a tree forward after drafting
+    levels (the head's weights and caches in between: 2-18% above the grid on the AMD EPYC, while AR
+    steps ran within 3% of it). Each decode-loop forward comes with the state of its request (`speed`:
+    the probes around it over the grid's one-row time, `probe_seconds`) and is compared with the grid's
+    model moved to that state through the elasticity; a request's ratio is its forwards' median, and the
+    n = 1 row is scaled by the median over the autoregressive requests, every n > 1 row by the median over
+    the tree requests (a kind without requests takes the other's). forwards: (request, n, L, speed,
+    seconds). Returns the figures, with `probe_level`: what a probe reads over the new one-row table in
+    the mean state."""
     xs = np.asarray(sizes, dtype=np.float64)
     req, n, L, f, sec = np.array(forwards, dtype=np.float64).T
     grid = (np.interp(n, xs, np.asarray(a)) + np.interp(n, xs, np.asarray(b)) * L) * (1.0 + np.interp(n, xs, np.asarray(elasticity)) * (f - 1.0))
     ratio = sec / grid
-    per_request = {int(r): (int(n[req == r][0]), float(np.median(ratio[req == r]))) for r in np.unique(req)}
-    scale = float(np.median([v for _, v in per_request.values()]))
-    for i in range(len(sizes)):
-        a[i], b[i] = a[i] * scale, b[i] * scale
-    table *= scale
-    one = [v for k, v in per_request.values() if k == 1]
-    tree = [v for k, v in per_request.values() if k > 1]
-    return {"scale": scale, "probe_level": 1.0 / scale, "requests": len(per_request),
-            "one_row_ratio": float(np.median(one)) if one else None, "tree_ratio": float(np.median(tree)) if tree else None}
+    per_request = [(int(n[req == r][0]), float(np.median(ratio[req == r]))) for r in np.unique(req)]
+    one = [v for k, v in per_request if k == 1]
+    tree = [v for k, v in per_request if k > 1]
+    one_scale = float(np.median(one if one else tree))
+    tree_scale = float(np.median(tree if tree else one))
+    for i, size in enumerate(sizes):
+        k = one_scale if size == 1 else tree_scale
+        a[i], b[i] = a[i] * k, b[i] * k
+        table[i] = table[i] * k
+    return {"one_row_scale": one_scale, "tree_scale": tree_scale, "probe_level": 1.0 / one_scale,
+            "ar_requests": len(one), "tree_requests": len(tree)}
 
 
 # static trees whose real cycles give t_fixed of a speculative cycle: a 2-token chain, a small and a bushy tree
@@ -432,7 +452,7 @@ def calibrate_latency(
     validation = []
     for n, L in held:  # the grid's held-out shapes, at the decode loop's level like the table (interpolation error)
         pred = float(model.t_verify(n, L))
-        meas = verify[(n, L)] * level["scale"]
+        meas = verify[(n, L)] * (level["tree_scale"] if n > 1 else level["one_row_scale"])
         validation.append({"n": n, "L": L, "measured": meas, "predicted": pred, "ape": abs(pred - meas) / meas})
     mdape = float(np.median([v["ape"] for v in validation])) if validation else float("nan")
     model.meta["validation_mdape"] = mdape

@@ -450,8 +450,12 @@ def render_shipping(shipping: Mapping[str, dict]) -> list[str]:
         lines.append(f"- {tag}: {what}. {sh.get('reason', '')}")
         for w, v in (sh.get("workloads") or {}).items():
             n = "-" if v.get("structure") is None else len(v["structure"])
+            so = v.get("stop_only")
+            bound = "" if so is None else (
+                f"; stop-only bound of S {so['bound_J']:.1f} = +{100 * so['bound_gain']:.1f}% over its best fixed depth "
+                f"d={so['best_fixed_depth']} ({so['best_fixed_J']:.1f})")
             lines.append(f"  - {w}: {v['shipped']} ({n} nodes; J on its record cycles "
-                         + ", ".join(f"{k} {x:.1f}" for k, x in v.get("J", {}).items()) + ")")
+                         + ", ".join(f"{k} {x:.1f}" for k, x in v.get("J", {}).items()) + bound + ")")
     return lines + [""]
 
 
