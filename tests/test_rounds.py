@@ -291,6 +291,54 @@ def test_stop_only_bound_is_each_cycles_best_depth_over_the_best_fixed_depth():
     assert out2["bound_J"] == pytest.approx((2.0 + 3.0) / (1.0 + 1.2)) and out2["bound_gain"] > 0.1
 
 
+def test_threshold_policy_reproduces_every_fixed_depth_and_its_head_decides_as_the_search():
+    """Thresholds that never stop before level d and always stop there are S<=d, for the numpy rule and
+    for the PolicyHead that ships (float32 network, ONNX-exportable) alike; fitted thresholds too."""
+    from ogspo.learn.policy import PolicyData, policy_depths
+    from ogspo.learn.threshold import ALWAYS, NEVER, fit_thresholds, threshold_depths, threshold_head
+    from ogspo.methods.features import FEATURE_NAMES, N_FEATURES
+
+    rng = np.random.default_rng(0)
+    C, D = 200, 4
+    feats = rng.random((C, D, N_FEATURES)).astype(np.float32)
+    feats[:, :, FEATURE_NAMES.index("level")] = np.arange(1, D + 1)
+    data = PolicyData(Structure.chain(D), feats, rng.random((C, D)) + np.arange(D), 1 + rng.random((C, D)),
+                      np.array([f"w/r{i % 10}" for i in range(C)], dtype=object))
+    x = feats[:, :, FEATURE_NAMES.index("max_cum_prob")].astype(np.float64)
+    level = feats[:, :, FEATURE_NAMES.index("level")].astype(np.float64)
+    for d in range(1, D + 1):
+        theta = np.array([NEVER if j < d else ALWAYS for j in range(1, D)])
+        assert (threshold_depths(x, level, theta) == d).all()
+        assert (policy_depths(threshold_head("max_cum_prob", theta), data) == d).all()
+    theta = fit_thresholds(x, level, data.accepted, data.seconds)
+    assert np.array_equal(policy_depths(threshold_head("max_cum_prob", theta), data), threshold_depths(x, level, theta))
+
+
+@pytest.mark.parametrize("informative", [True, False])
+def test_kfold_ship_test_keeps_a_planted_winning_policy_and_drops_a_planted_useless_one(informative):
+    """Cycles whose second level pays only when a confidence feature is high: thresholds fitted on the
+    other folds find that, and the keep/drop test over all requests (every one held out once) excludes
+    1; with a feature carrying no information about it, the test does not keep the policy."""
+    from ogspo.learn.ship import compare_to_static
+    from ogspo.learn.threshold import kfold_depths
+
+    rng = np.random.default_rng(1)
+    C = 600
+    requests = np.array([f"w/r{i % 20}" for i in range(C)], dtype=object)
+    good = rng.random(C) < 0.5  # depth 2 commits 2 more tokens in these cycles, nothing in the others
+    A = np.stack([np.full(C, 1.5), np.where(good, 3.5, 1.5)], 1)  # [C, 2]
+    t = np.stack([np.full(C, 1.0), np.full(C, 1.4)], 1)
+    conf = np.where(good, 0.6, 0.2) + 0.1 * rng.random(C) if informative else rng.random(C)
+    x = np.stack([conf, conf], 1)
+    level = np.tile([1.0, 2.0], (C, 1))
+    d = kfold_depths(x, level, A, t, requests, folds=5, seed=0)
+    rows = np.arange(C)
+    As = np.vstack([A[rows, d - 1], A[:, 0], A[:, 1]])
+    ts = np.vstack([t[rows, d - 1], t[:, 0], t[:, 1]])
+    cmp = compare_to_static(A=As, t=ts, requests=requests, names=["S<=1", "S<=2"], seed=0)
+    assert (cmp["interval"][0] > 1.0) is informative, cmp
+
+
 def test_a_sequoia_tree_outside_the_records_template_is_left_out_not_fatal(records):
     """Sequoia may size a tree with nodes the template never drafted (seen in the quick run: [2, 2] in a
     template of width 2 at depth 2); the keep/drop rule cannot replay it, so it leaves it out and says so."""
@@ -332,9 +380,11 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
         assert v["structure"] == cands[v["shipped"]].to_list()
         so = v["stop_only"]  # the bound of S over its best fixed depth, which is one of the static trees
         assert so["best_fixed_J"] == pytest.approx(v["J"][f"S<={so['best_fixed_depth']}"]) and so["bound_gain"] >= 0
-    ho = ship.figures["holdout"]  # the test's power is said: a detectable gain, or none with one held-out request
-    assert ("smallest gain this test detects" in ship.reason and ho["detectable_gain"] > 0) or (
-        ho["n_requests"] == 1 and ho["detectable_gain"] is None and "detects no gain" in ship.reason)
+    # the tests' power is said: the threshold policy's K-fold test on every request, the MLP's on its split
+    kf, ho = ship.figures["threshold"], ship.figures["holdout"]
+    assert kf["n_requests"] == len(set(rec.cycles["request_id"].to_list())) and kf["detectable_gain"] > 0
+    assert "smallest gain this test detects" in ship.reason and "of which it captures" in ship.reason
+    assert (ho["detectable_gain"] or 0) > 0 or (ho["n_requests"] == 1 and "detects no gain" in ship.reason)
     # through the stage outputs: no policy.pt, the static tree as structure.json, a static policy folder
     res = rounds_mod.RoundsResult(rows=[], structure=SUB, head=stop_now, lam=1.0, incumbent_round=0, stop_reason="test",
                                   oracle_throughput=None, same_trace=pl.DataFrame())

@@ -1,15 +1,20 @@
 """Keep or drop the learned stop policy: OGSPO never ships a policy that loses to a static tree.
 
-After the rounds, the incumbent stop policy pi over its structure S is compared, on the record
-requests its head was *not* trained on (the incumbent round's held-out split), with every static
-tree the records offer: S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
+After the rounds, two stop policies over the structure S are compared with every static tree the
+records offer: the threshold policy (`learn.threshold`: one threshold per level on the frontier's
+confidence, a class that holds every S_{<=d}) on K-fold predictions, so every record request is held
+out once, and the rounds' MLP pi on the record requests its head was *not* trained on (the incumbent
+round's held-out split), kept only where it also beats the threshold policy there. The static trees: S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
 Sequoia's tree (`baselines.sequoia`). All are replayed on the same held-out cycles with the same
 latency model, J = sum A / sum t. The comparison is paired by request: a bootstrap resamples the
 held-out requests, and in every resample the best static tree is picked again (the largest of
 several noisy J's), so the interval carries that winner's curse against the policy.
 
-The policy is kept only when the interval of J(pi) / J(best static) lies above 1 + margin (its
-lower bound excludes "no gain"). Otherwise the static tree with the highest J over all record
+A policy is kept only when the interval of J(pi) / J(best static) lies above 1 + margin (its
+lower bound excludes "no gain"). The figures say what the test could see: the smallest gain it
+detects (the interval's half-width) beside the stop-only bound of S (each cycle at its best depth,
+knowing the outcome: what any stop policy could add over the best fixed depth) and the share of that
+bound the threshold policy captures held out. Otherwise the static tree with the highest J over all record
 cycles ships instead, as a plain structure (no policy head), and the decision says why.
 Autoregressive decoding (the empty tree) is one of the static trees.
 
@@ -29,18 +34,20 @@ from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
 from ogspo.engine.tree import Structure
 from ogspo.learn.policy import PolicyHead, combine_data, offline_states, policy_depths, posterior_bound, split_requests
+from ogspo.learn.threshold import THRESHOLD_FEATURE, check_head, feature_table, fit_thresholds, kfold_depths, threshold_head
 from ogspo.offline.replay import replay, replay_cycles
 from ogspo.offline.solve import combine_cycles
 
 
 @dataclass
 class ShipDecision:
-    keep_policy: bool  # ship pi over S (False: ship `structure` as a static tree)
+    keep_policy: bool  # ship a stop policy over S (False: ship `structure` as a static tree)
     structure: Structure  # what ships: S with the policy, or the best static tree
-    shipped: str  # "policy", "S<=d", "sequoia" or "ar"
+    shipped: str  # "policy" (the rounds' MLP), "threshold", "S<=d", "sequoia" or "ar"
     reason: str
     figures: dict = field(default_factory=dict)
     workloads: dict[str, dict] = field(default_factory=dict)  # workload -> {"shipped", "structure", "J"}
+    head: PolicyHead | None = None  # the head that ships when it is not the rounds' own (the threshold policy)
 
 
 def static_candidates(structure: Structure, sequoia: Structure | None) -> dict[str, Structure]:
@@ -113,10 +120,13 @@ def compare_to_static(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, nam
 
 def decide_shipping(*, records: list[Records], structure: Structure, head: PolicyHead, latency: LatencyModel,
                     sequoia: Structure | None, seed: int, holdout_fraction: float, margin: float = 0.0,
-                    n_boot: int = 2000) -> ShipDecision:
-    """Keep the stop policy `head` over `structure` only if it beats every static tree on held-out
-    record requests with a bootstrap interval above 1 + margin (see the module docstring). `seed` is
-    the seed the head's training split used (`split_requests`)."""
+                    n_boot: int = 2000, folds: int = 5) -> ShipDecision:
+    """Keep a stop policy over `structure` only if it beats every static tree on held-out record requests
+    with a bootstrap interval above 1 + margin (see the module docstring). Two policies are tested: the
+    threshold policy (`learn.threshold`, feature `THRESHOLD_FEATURE`) on K-fold predictions, every
+    request held out once, and the rounds' MLP `head` on the requests its training split left out
+    (`seed`: the seed of that split, `split_requests`), kept only where it also beats the threshold
+    policy there."""
     data = combine_data([offline_states(records=r, structure=structure, latency=latency) for r in records])
     cycles = combine_cycles([replay_cycles(r) for r in records])
     # Sequoia sizes its tree from positional acceptance, so it may hold nodes the records' template never
@@ -128,35 +138,67 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     rep = replay(cycles=cycles, structures=[cands[n] for n in names], depths=np.array([cands[n].max_depth for n in names]),
                  model=latency)
     C = len(data.requests)
+    rows = np.arange(C)
     d = policy_depths(head, data)
-    A = np.vstack([data.accepted[np.arange(C), d - 1], rep.accepted])  # [K + 1, C] row 0: the policy, then the static trees
-    t = np.vstack([data.seconds[np.arange(C), d - 1], rep.seconds])
+    x, level = feature_table(data, THRESHOLD_FEATURE)
+    d_k = kfold_depths(x, level, data.accepted, data.seconds, data.requests, folds=folds, seed=seed)
+    A = np.vstack([data.accepted[rows, d - 1], rep.accepted])  # [K + 1, C] row 0: the MLP, then the static trees
+    t = np.vstack([data.seconds[rows, d - 1], rep.seconds])
+    A_k = np.vstack([data.accepted[rows, d_k - 1], rep.accepted])  # row 0: the threshold policy, held out
+    t_k = np.vstack([data.seconds[rows, d_k - 1], rep.seconds])
     _, ho = split_requests(data.requests, fraction=holdout_fraction, seed=seed)
     J_all = A.sum(1) / t.sum(1)  # [K + 1]
     best_all = names[int(np.argmax(J_all[1:]))]
+    so = stop_only_bound(data.accepted, data.seconds)
     figs: dict = {"candidates": {n: cands[n].to_list() for n in names}, "J_all": dict(zip(["policy", *names], J_all.tolist())),
-                  "margin": margin, "n_holdout_cycles": int(len(ho)), "sequoia_outside_template": outside,
-                  "stop_only": stop_only_bound(data.accepted, data.seconds)}
+                  "margin": margin, "n_holdout_cycles": int(len(ho)), "sequoia_outside_template": outside, "stop_only": so}
     depth_tables = {"A_depth": data.accepted, "t_depth": data.seconds}
-    if len(ho) == 0:
-        return ShipDecision(False, cands[best_all], best_all, "no held-out record requests to test the policy on", figs,
-                            per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=False,
-                                         **depth_tables))
-    cmp = compare_to_static(A=A[:, ho], t=t[:, ho], requests=data.requests[ho], names=names, seed=seed, n_boot=n_boot)
-    lo, hi = cmp["interval"]
-    # a policy this much better would just exclude 1 (a bootstrap over one request has no spread: no power)
-    cmp["detectable_gain"] = float((hi - lo) / 2) if cmp["n_requests"] > 1 else None
-    figs["holdout"] = cmp
-    power = ("one held-out request: this test detects no gain" if cmp["detectable_gain"] is None
-             else f"smallest gain this test detects ~{100 * cmp['detectable_gain']:.1f}%")
-    said = (f"policy / best static tree ({cmp['best_static']}) on {cmp['n_requests']} held-out record requests "
-            f"{cmp['ratio']:.3f} [{lo:.3f}, {hi:.3f}] ({power}; stop-only bound over the best fixed depth on all "
-            f"record cycles +{100 * figs['stop_only']['bound_gain']:.1f}%)")
-    keep = bool(lo > 1.0 + margin)
-    works = per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=keep, **depth_tables)
-    by_w = "; per workload: " + ", ".join(f"{w} {v['shipped']}" for w, v in works.items())
-    if keep:
-        return ShipDecision(True, structure, "policy", f"{said}: above 1 + {margin:g}, the policy ships{by_w}", figs, works)
+
+    # the threshold policy, every request held out once
+    kf = compare_to_static(A=A_k, t=t_k, requests=data.requests, names=names, seed=seed, n_boot=n_boot)
+    kf["detectable_gain"] = float((kf["interval"][1] - kf["interval"][0]) / 2)
+    J_k = kf["J"]["policy"]
+    gain_k = J_k / so["best_fixed_J"] - 1.0
+    theta = fit_thresholds(x, level, data.accepted, data.seconds)
+    t_head = threshold_head(THRESHOLD_FEATURE, theta)
+    check_head(t_head, data, THRESHOLD_FEATURE, theta)
+    kf.update({"feature": THRESHOLD_FEATURE, "thresholds": theta.tolist(), "folds": folds, "gain_over_best_fixed": gain_k,
+               "share_of_bound": gain_k / so["bound_gain"] if so["bound_gain"] > 0 else None})
+    figs["threshold"] = kf
+    lo_k, hi_k = kf["interval"]
+    said_k = (f"threshold policy ({THRESHOLD_FEATURE}) / best static tree ({kf['best_static']}) on {folds}-fold held-out "
+              f"predictions of {kf['n_requests']} record requests {kf['ratio']:.3f} [{lo_k:.3f}, {hi_k:.3f}] (smallest gain "
+              f"this test detects ~{100 * kf['detectable_gain']:.1f}%; stop-only bound over the best fixed depth "
+              f"+{100 * so['bound_gain']:.1f}%, of which it captures {100 * gain_k:+.1f}%)")
+    keep_k = bool(lo_k > 1.0 + margin)
+
+    # the rounds' MLP on its own held-out requests
+    keep_mlp, said = False, "no held-out record requests to test the MLP policy on"
+    if len(ho):
+        cmp = compare_to_static(A=A[:, ho], t=t[:, ho], requests=data.requests[ho], names=names, seed=seed, n_boot=n_boot)
+        lo, hi = cmp["interval"]
+        # a bootstrap over one request has no spread: no power
+        cmp["detectable_gain"] = float((hi - lo) / 2) if cmp["n_requests"] > 1 else None
+        cmp["threshold_J_same_requests"] = float(A_k[0, ho].sum() / t_k[0, ho].sum())
+        figs["holdout"] = cmp
+        power = ("one held-out request: this test detects no gain" if cmp["detectable_gain"] is None
+                 else f"smallest gain this test detects ~{100 * cmp['detectable_gain']:.1f}%")
+        said = (f"MLP policy / best static tree ({cmp['best_static']}) on {cmp['n_requests']} held-out record requests "
+                f"{cmp['ratio']:.3f} [{lo:.3f}, {hi:.3f}] ({power})")
+        keep_mlp = bool(lo > 1.0 + margin) and cmp["J"]["policy"] >= cmp["threshold_J_same_requests"]
+
+    if keep_mlp:
+        works = per_workload(A=A, t=t, requests=data.requests, names=names, cands=cands, keep_policy=True, **depth_tables)
+        return ShipDecision(True, structure, "policy", f"{said}: above 1 + {margin:g} and above the threshold policy there, "
+                            f"the MLP policy ships; {said_k}" + _by_workload(works), figs, works)
+    works = per_workload(A=A_k, t=t_k, requests=data.requests, names=names, cands=cands, keep_policy=keep_k, **depth_tables)
+    if keep_k:
+        return ShipDecision(True, structure, "threshold", f"{said_k}: above 1 + {margin:g}, the threshold policy ships; "
+                            f"{said}" + _by_workload(works), figs, works, head=t_head)
     return ShipDecision(False, cands[best_all], best_all,
-                        f"{said} does not exclude 1 + {margin:g}: the static tree {best_all} ships (best on all record "
-                        f"cycles){by_w}", figs, works)
+                        f"{said_k} and {said} do not exclude 1 + {margin:g}: the static tree {best_all} ships (best on all "
+                        f"record cycles)" + _by_workload(works), figs, works)
+
+
+def _by_workload(works: dict[str, dict]) -> str:
+    return "; per workload: " + ", ".join(f"{w} {v['shipped']}" for w, v in works.items())

@@ -81,8 +81,9 @@ def write_rounds(result: RoundsResult, out_dir: Path, *, seed: int, records_dirs
     head_path = out_dir / HEAD_FILE
     keep = result.head is not None and (ship is None or ship.keep_policy)
     if keep:
-        save_head(head=result.head, structure=result.structure, lam=result.lam, path=head_path,
-                  meta={"round": result.incumbent_round, "seed": seed})
+        shipped = result.head if ship is None or ship.head is None else ship.head
+        save_head(head=shipped, structure=result.structure, lam=result.lam, path=head_path,
+                  meta={"round": result.incumbent_round, "seed": seed, "policy": "policy" if ship is None else ship.shipped})
     elif head_path.exists():
         head_path.unlink()
     write_structure(result.structure if ship is None else ship.structure, out_dir / STRUCTURE_FILE)
@@ -175,7 +176,7 @@ def run_rounds_stage(
                                sequoia=sequoia, seed=seed + int(result.incumbent_round), holdout_fraction=holdout,
                                margin=float(rounds_settings(config)["keep_margin"]))
         if ship.keep_policy and rounds_settings(config)["size_decision"]:
-            size = fit_size_decision(records=records, structure=result.structure, head=result.head, latency=latency,
+            size = fit_size_decision(records=records, structure=result.structure, head=ship.head or result.head, latency=latency,
                                      lam=result.lam, seed=seed, holdout_fraction=holdout,
                                      tolerance=float(rounds_settings(config)["tolerance"]))
     result.ship = ship
