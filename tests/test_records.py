@@ -104,16 +104,16 @@ def test_decode_loop_level_scales_the_grid_to_the_decode_loop_in_each_requests_s
     elasticity = [1.0, 0.5, 0.0]
     table = np.array([[ai + bi * L for L in (100, 300)] for ai, bi in zip(a, b)])
     grid = lambda n, L: a[sizes.index(n)] + b[sizes.index(n)] * L  # noqa: E731
-    # AR steps run 0.9x the grid moved to their request's state, tree forwards 1.1x: n = 1 follows the
-    # state, n = 2 half of it, n = 4 none; one AR request was timed across a state flip its probes missed
-    forwards = [(r, n, L, f, (0.9 if n == 1 else 1.1) * (1 + e * (f - 1)) * grid(n, L))
+    # the decode loop runs 0.9x the grid moved to each request's state: n = 1 follows the state, n = 2 half
+    # of it, n = 4 none; one AR request was timed across a state flip its probes missed (1.3x)
+    forwards = [(r, n, L, f, 0.9 * (1 + e * (f - 1)) * grid(n, L))
                 for r, (n, e, f) in enumerate([(1, 1.0, 1.2), (1, 1.0, 0.8), (2, 0.5, 1.3), (4, 0.0, 0.7), (2, 0.5, 1.0)])
                 for L in (120, 200)]
     forwards += [(5, 1, L, 1.0, 1.3 * grid(1, L)) for L in (120, 200)]
     out = decode_loop_level(sizes, a, b, table, elasticity, forwards)
-    assert out["one_row_scale"] == pytest.approx(0.9) and out["probe_level"] == pytest.approx(1 / 0.9)
-    assert out["tree_scale"] == pytest.approx(1.1) and (out["ar_requests"], out["tree_requests"]) == (3, 3)
-    assert a[0] == pytest.approx(0.018) and b[2] == pytest.approx(2.2e-5) and table[1, 0] == pytest.approx(1.1 * (0.022 + 1e-5 * 100))
+    assert out["scale"] == pytest.approx(0.9) and out["probe_level"] == pytest.approx(1 / 0.9) and out["requests"] == 6
+    assert out["one_row_ratio"] == pytest.approx(0.9) and out["tree_ratio"] == pytest.approx(0.9)
+    assert a[0] == pytest.approx(0.018) and b[2] == pytest.approx(1.8e-5) and table[1, 0] == pytest.approx(0.9 * (0.022 + 1e-5 * 100))
 
 
 def test_state_fit_separates_the_machine_state_from_the_shape():
