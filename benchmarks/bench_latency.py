@@ -1,74 +1,80 @@
-"""Benchmark: latency calibration (DESIGN §4) on SmolLM2 with the early-exit drafter.
+"""Benchmark: latency calibration (DESIGN §4) on the run's target, kernel table and EAGLE head.
 
-    .venv/bin/python benchmarks/bench_latency.py [--model results/.test-cache/smollm2] [--reps 5] [--threads N] [--write]
+    .venv/bin/python benchmarks/bench_latency.py [--results results/cpu] [--reps N] [--write]
 
-Runs `calibrate_latency` with the default config's shapes, prints the held-out MdAPE of t_verify
-(n in {5, 11, 20, 40, 80} at L in {256, 600}, none in the table); with --write, writes the plot to
-docs/latency.png and this script's section of docs/BENCHMARKS.md.
+Runs `calibrate_latency` with the default config's shapes, as rule `calibrate_latency` does, and prints
+the held-out MdAPE of t_verify (n in {5, 11, 20, 40, 80} at L in {256, 600}, none in the table), the
+machine states the grid saw (each timing's one-row probe over the probes' median), the elasticity per
+size and the decode-loop scale; with --write, writes the plot to docs/latency.png and this script's
+section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
-
-NOTE = "A first run with torch's default 2 threads, while both cores were taken by other processes, was\npathological (OpenMP contention: t_verify(1) ~2.3 s, held-out errors up to 500%); this run used\n`--threads 1`. Rerun on an idle machine with the default threads before trusting the absolute numbers."
+from benchdoc import REPO, cpu_model, git_commit, write_section  # noqa: E402
 
 
 def main() -> None:
+    from ogspo.engine.kernels import read_kernel_table
     from ogspo.methods.registry import make_drafter, make_target
-    from ogspo.stages.calibrate import calibrate_latency, plot_calibration
+    from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_latency, plot_calibration
     from ogspo.stages.config import load_config
     from ogspo.stages.model import load_target, read_manifest
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", type=Path, default=REPO / "results/.test-cache/smollm2")
-    ap.add_argument("--drafter", default="early-exit")
+    ap.add_argument("--results", type=Path, default=REPO / "results/cpu")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     lat = load_config([REPO / "config/default.yaml"], sections=("latency",))["latency"]
     reps = args.reps or lat["reps"]
-    model, _ = load_target(args.model)
-    target = make_target(model, max_len=2048)
-    drafter = make_drafter(args.drafter, target_model=model, max_len=2048)
-    load = os.getloadavg()[0]
+    res = args.results
+    checksum = read_manifest(res / "model")["checksum_sha256"]
+    model, tok = load_target(res / "model")
+    kernels = read_kernel_table(res / "kernels/kernels.json")
+    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=res / "drafter", target_checksum=checksum,
+                           kernels=kernels)
+    target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
     cal = calibrate_latency(
         target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
         draft_widths=lat["draft_widths"], reps=reps, warmup=lat["warmup"], seed=0,
-        meta={"model_checksum": read_manifest(args.model)["checksum_sha256"], "drafter": args.drafter},
+        text_prompt=tok(CALIBRATION_TEXT, add_special_tokens=False).input_ids,
+        meta={"model_checksum": checksum, "drafter": drafter.drafter_id},
     )
     m = cal.model
+    level = m.meta["decode_loop_level"]
+    st = level["grid_states"]
     rows = "\n".join(
         f"| {v['n']} | {v['L']} | {1e3 * v['measured']:.1f} | {1e3 * v['predicted']:.1f} | {100 * v['ape']:.1f}% |"
         for v in cal.validation
     )
     table = "\n".join(
-        f"| {n} | " + " | ".join(f"{1e3 * t:.1f}" for t in row) + " |" for n, row in zip(m.sizes, m.verify_table)
+        f"| {n} | {e:.2f} | " + " | ".join(f"{1e3 * t:.1f}" for t in row) + " |"
+        for n, e, row in zip(m.sizes, m.drift_elasticity, m.verify_table)
     )
+    ratios = ", ".join(f"n={n}: {float(m.t_verify(n, 256) / m.t_verify(1, 256)):.2f}" for n in (2, 4, 8, 16))
     text = f"""## Latency calibration (`benchmarks/bench_latency.py`)
 
-{dt.date.today()}, {cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__};
-SmolLM2-135M-Instruct (float32) target, `{args.drafter}` drafter; {reps} reps, {lat['warmup']} warm-up round,
-shuffled interleaved shapes; calibration took {cal.seconds:.0f} s. **The machine was busy** (another
-session was training a drafter; 1-min load average {load:.1f} at the start on 2 cores), so absolute
-times are inflated and noisier than on an idle machine.
-{NOTE if args.threads else ""}
+{dt.date.today()}, commit {git_commit()}, {cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__};
+the run's target ({target.dtype}, kernel table {res / 'kernels/kernels.json'}) and EAGLE head; {reps} reps,
+{lat['warmup']} warm-up round, shuffled interleaved shapes, each timing after a one-row probe; calibration took
+{cal.seconds:.0f} s. Reproduce: `PATH=.venv/bin:$PATH python benchmarks/bench_latency.py --write` after `make run`.
 
 **Held-out MdAPE of t_verify: {100 * cal.mdape:.1f}%** (target <= 10%) over {len(cal.validation)} shapes
-not in the table; slope in L: {m.slope_mode}; t_fixed {1e3 * m.fixed:.1f} ms;
-t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_draft({m.draft_widths[-1]}) {1e3 * m.draft_table[-1]:.1f} ms.
+not in the table; slope in L: {m.slope_mode}. Machine states seen by the grid (probe / median probe of
+{1e3 * st['probe_seconds']:.1f} ms): mean {st['mean']:.2f}, 10th-90th percentile {st['p10']:.2f}-{st['p90']:.2f}.
+Decode-loop scale {level['scale']:.3f} over {level['requests']} requests (AR requests alone {level['one_row_ratio']:.3f},
+static trees alone {level['tree_ratio']:.3f}). t_verify(n, 256) / t_verify(1, 256) at the mean state: {ratios}.
+t_fixed {1e3 * m.fixed:.2f} ms + {1e3 * m.fixed_slope:.3f} ms per node (AR step {1e3 * m.fixed_ar:.2f} ms);
+t_draft(1) {1e3 * float(m.t_draft(1)):.2f} ms, t_draft({m.draft_widths[-1]}) {1e3 * m.draft_table[-1]:.2f} ms.
 
 ![latency](latency.png)
 
@@ -76,10 +82,11 @@ t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_draft({m.draft_widths[-1]}) {1e
 |---|---|---|---|---|
 {rows}
 
-t_verify table (ms), rows n, columns L = {m.contexts}:
+t_verify table at the mean state (ms), rows n with their elasticity (how the size follows the one-row
+forward's state), columns L = {m.contexts}:
 
-| n | {' | '.join(str(L) for L in m.contexts)} |
-|---|{'---|' * len(m.contexts)}
+| n | elasticity | {' | '.join(str(L) for L in m.contexts)} |
+|---|---|{'---|' * len(m.contexts)}
 {table}
 """
     print(text)
