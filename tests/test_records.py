@@ -116,6 +116,18 @@ def test_decode_loop_level_scales_the_grid_to_the_decode_loop_in_each_requests_s
     assert a[0] == pytest.approx(0.018) and b[2] == pytest.approx(1.8e-5) and table[1, 0] == pytest.approx(0.9 * (0.022 + 1e-5 * 100))
 
 
+def test_decode_loop_draft_scale_and_level_widths():
+    """Draft levels past the first of static-tree requests against the draft table (median per request,
+    then over requests: one request's outlier moves nothing); a static tree's frontier widths per level."""
+    from ogspo.stages.calibrate import FIXED_TREES, decode_loop_draft_scale, level_widths
+
+    widths, table = [1, 2, 4], [0.001, 0.0012, 0.0016]
+    levels = [(r, w, 1.3 * t) for r in range(3) for w, t in zip(widths, table)] + [(3, 2, 0.01)]
+    assert decode_loop_draft_scale(widths, table, levels) == pytest.approx(1.3)
+    assert decode_loop_draft_scale(widths, table, []) == 1.0
+    assert [level_widths(S) for S in FIXED_TREES] == [[1, 1], [1, 2, 4], [1, 4, 8]]
+
+
 def test_state_fit_separates_the_machine_state_from_the_shape():
     """Timings seen in two machine states (each with its probe's state): a shape's level at the mean state
     and its slope, with one preempted timing that a mean would follow; the elasticity of a flat shape is

@@ -20,7 +20,9 @@
   `probe_seconds`).
 - t_draft(w): one drafter level (`drafter.expand`) over a frontier of w nodes at depth 1 of a real
   drafting state (request begun, root expanded); the drafter state is discarded between
-  repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0.
+  repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0. Then scaled to
+  the levels past the first of the static-tree requests below (`decode_loop_draft_scale`): in
+  decoding a level follows a target pass.
 - t_catchup: a drafted cycle that commits A tokens leaves A - 1 of them for the EAGLE head to re-encode
   at the next cycle's first level. From the same static-tree requests as t_fixed: the first level's
   time of each cycle against the tokens the previous cycle committed b: the increments of its median
@@ -242,6 +244,18 @@ def decode_loop_level(sizes: list[int], a: list[float], b: list[float], table: n
             "one_row_ratio": float(np.median(one)) if one else None, "tree_ratio": float(np.median(tree)) if tree else None}
 
 
+def decode_loop_draft_scale(widths: list[int], table: list[float], levels: list[tuple[int, int, float]]) -> float:
+    """The ratio of the decode loop's drafting levels to the draft table: the median over requests of
+    the median over their levels past the first of seconds / t_draft(width) (a head level in decoding
+    follows a target pass that took the caches; the table times it right after `begin`: ~30% apart on
+    the AMD EPYC). levels: (request, frontier width, seconds); 1 without any."""
+    if not levels:
+        return 1.0
+    req, w, sec = np.array(levels, dtype=np.float64).T
+    ratio = sec / np.interp(w, np.asarray(widths, dtype=np.float64), np.asarray(table))
+    return float(np.median([np.median(ratio[req == r]) for r in np.unique(req)]))
+
+
 # static trees whose real cycles give t_fixed of a speculative cycle: a 2-token chain, a small and a bushy tree
 FIXED_TREES = (Structure.chain(2), Structure.full([2, 2, 1]), Structure.full([4, 2, 2]))
 
@@ -267,6 +281,19 @@ def fit_fixed(samples: list[tuple[int, float]]) -> tuple[float, float]:
         return (float(med[0]) if len(med) else 0.0), 0.0
     slope = max(float(np.polyfit(ns - 1, med, 1)[0]), 0.0)
     return float(np.mean(med - slope * (ns - 1))), slope
+
+
+def level_widths(structure: Structure) -> list[int]:
+    """Frontier width of each drafting level of a static tree: level l expands the nodes of depth l - 1
+    that have children in it."""
+    paths = structure.to_list()
+    return [len({tuple(p[:-1]) for p in paths if len(p) == lvl}) for lvl in range(1, structure.max_depth + 1)]
+
+
+def _deeper_levels(res, widths: list[int]) -> list[tuple[int, float]]:
+    """(frontier width, seconds) of every drafting level past the first of a static tree's request (the
+    first level re-encodes the accepted tokens: the catch-up's measurement)."""
+    return [(widths[i], sec) for c in res.cycles for i, sec in enumerate(c.draft_seconds) if 0 < i < len(widths)]
 
 
 def _first_levels(res) -> list[tuple[int, float]]:
@@ -307,6 +334,7 @@ def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, to
     tree_samples: list[tuple[int, float]] = []
     first: list[tuple[int, float]] = []
     forwards: list[tuple[int, int, int, float, float]] = []
+    levels: list[tuple[int, int, float]] = []
     ar.generate(prompt, max_new_tokens=4, seed=seed)  # warm-up of the one-row shapes
     own = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
     # the trees continue the target's own text, where the drafter guesses as it does on real text (given a
@@ -324,6 +352,7 @@ def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, to
             res = trees[j - 1].generate(text, max_new_tokens=tokens, seed=seed)
             tree_samples += _overhead_per_cycle(res)
             first += _first_levels(res)
+            levels += [(request, w, sec) for w, sec in _deeper_levels(res, level_widths(FIXED_TREES[j - 1]))]
         after = speed(target)
         f = 0.5 * (before + after)
         L = len(prompt) if j == 0 else len(text)
@@ -331,7 +360,7 @@ def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, to
             forwards.append((request, c.tree_size + 1, L, f, c.verify_seconds))
             L += c.accepted
         before = after
-    return tree_samples, ar_samples, first, forwards
+    return tree_samples, ar_samples, first, forwards, levels
 
 
 def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
@@ -422,10 +451,14 @@ def calibrate_latency(
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
-    fixed_samples, fixed_ar_samples, first_levels, forwards = measure_fixed(
+    fixed_samples, fixed_ar_samples, first_levels, forwards, draft_levels = measure_fixed(
         target, drafter, text, tokens=fixed_tokens, seed=seed,
         speed=lambda t: probe_seconds(t) / (a0 + b0 * t.cache.length))
     level = decode_loop_level(sizes, a, b, table, elasticity, forwards)
+    # the draft table where decoding runs it: a level after a target pass, not right after `begin`
+    draft_scale = decode_loop_draft_scale(widths, [draft[(w,)] for w in widths], draft_levels)
+    draft = {k: v * draft_scale for k, v in draft.items()}
+    level["draft_scale"] = draft_scale
     all_states = np.concatenate(list(state.values()))
     level["grid_states"] = {"mean": mean_state, "p10": float(np.percentile(all_states, 10)),
                             "p90": float(np.percentile(all_states, 90)), "probe_seconds": ref}
