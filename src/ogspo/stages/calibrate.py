@@ -247,8 +247,8 @@ def decode_loop_level(sizes: list[int], a: list[float], b: list[float], table: n
 def decode_loop_draft_scale(widths: list[int], table: list[float], levels: list[tuple[int, int, float]]) -> float:
     """The ratio of the decode loop's drafting levels to the draft table: the median over requests of
     the median over their levels past the first of seconds / t_draft(width) (a head level in decoding
-    follows a target pass that took the caches; the table times it right after `begin`: ~30% apart on
-    the AMD EPYC). levels: (request, frontier width, seconds); 1 without any."""
+    follows a target pass that took the caches; the table times it right after `begin`). levels:
+    (request, frontier width, seconds); 1 without any."""
     if not levels:
         return 1.0
     req, w, sec = np.array(levels, dtype=np.float64).T
