@@ -19,15 +19,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, git_commit, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, git_commit, load_run, write_section  # noqa: E402
 
 
 def main() -> None:
-    from ogspo.engine.kernels import read_kernel_table
-    from ogspo.methods.registry import make_drafter, make_target
     from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_latency, plot_calibration
     from ogspo.stages.config import load_config
-    from ogspo.stages.model import load_target, read_manifest
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", type=Path, default=REPO / "results/cpu")
@@ -37,12 +34,7 @@ def main() -> None:
     lat = load_config([REPO / "config/default.yaml"], sections=("latency",))["latency"]
     reps = args.reps or lat["reps"]
     res = args.results
-    checksum = read_manifest(res / "model")["checksum_sha256"]
-    model, tok = load_target(res / "model")
-    kernels = read_kernel_table(res / "kernels/kernels.json")
-    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=res / "drafter", target_checksum=checksum,
-                           kernels=kernels)
-    target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
+    checksum, tok, target, drafter = load_run(res)
     cal = calibrate_latency(
         target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
         draft_widths=lat["draft_widths"], reps=reps, warmup=lat["warmup"], seed=0,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, git_commit, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, git_commit, load_run, write_section  # noqa: E402
 
 POOLED_BAND = (0.95, 1.05)
 CELL_BAND = (0.90, 1.10)
@@ -33,8 +33,6 @@ CELL_BAND = (0.90, 1.10)
 
 def main() -> None:
     from ogspo.artifacts.latency import LatencyModel
-    from ogspo.engine.kernels import read_kernel_table
-    from ogspo.methods.registry import make_drafter, make_target
     from ogspo.stages.evaluate import (
         MethodSpec,
         SpeedProbe,
@@ -46,7 +44,6 @@ def main() -> None:
         slot_order,
         slot_seed,
     )
-    from ogspo.stages.model import load_target, read_manifest
     from ogspo.stages.summary import temperature_tag
 
     ap = argparse.ArgumentParser()
@@ -58,12 +55,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     res = args.results
-    checksum = read_manifest(res / "model")["checksum_sha256"]
-    model, tok = load_target(res / "model")
-    kernels = read_kernel_table(res / "kernels/kernels.json")
-    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=res / "drafter", target_checksum=checksum,
-                           kernels=kernels)
-    target = make_target(model, max_len=2048, drafter=drafter, kernels=kernels)
+    checksum, tok, target, drafter = load_run(res)
     latency = LatencyModel.from_json(res / "latency/latency.json", expect_model=checksum, expect_drafter=drafter.drafter_id)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="calib", n=args.prompts)
     artifacts = {"eagle-tuned": str(res / "evaluate/tune_{T}.json"), "sequoia": str(res / "sequoia/{T}/structure.json"),

@@ -77,3 +77,18 @@ def write_section(name: str, section: str) -> None:
     tmp = DOC.with_name(f".{DOC.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, DOC)
+
+
+def load_run(results: Path, max_len: int = 2048):
+    """(model checksum, tokenizer, target, EAGLE drafter) of a `make run` folder: its prepared model, kernel
+    table and draft head, as the workflow's rules load them."""
+    from ogspo.engine.kernels import read_kernel_table
+    from ogspo.methods.registry import make_drafter, make_target
+    from ogspo.stages.model import load_target, read_manifest
+
+    checksum = read_manifest(results / "model")["checksum_sha256"]
+    model, tok = load_target(results / "model")
+    kernels = read_kernel_table(results / "kernels/kernels.json")
+    drafter = make_drafter("eagle", target_model=model, max_len=max_len, path=results / "drafter", target_checksum=checksum,
+                           kernels=kernels)
+    return checksum, tok, make_target(model, max_len=max_len, drafter=drafter, kernels=kernels), drafter
