@@ -3,10 +3,9 @@
     PATH=.venv/bin:$PATH python benchmarks/bench_peers.py [--prompts 3] [--repeats 2] [--write]
 
 Needs a finished default run (results/cpu: the prepared model, the eval prompts, the trained head,
-the tuned EAGLE-3 trees, Sequoia's tree and the OGSPO policy) and `sentencepiece` for llama.cpp's
-converter, kept out of the venv (it brings a second libgomp): `pip install --target DIR sentencepiece`,
-then run with `PYTHONPATH=DIR` (the converter's subprocess keeps it). Not part of `make test`: the first run compiles llama.cpp
-for minutes (`llamacpp.build_llama_cpp`, cached under ~/.cache/ogspo/peers).
+its T=0 records, the tuned EAGLE-3 trees, Sequoia's tree and the OGSPO policy). Not part of `make
+test`: the first run compiles llama.cpp for minutes and builds the converter's own venv
+(`llamacpp.build_llama_cpp`, `llamacpp.converter_python`, both cached under ~/.cache/ogspo/peers).
 
 1. `llama-bench -t THREADS -p 128 -n 128 -r 3` on three files of the same weights: the shipped Q4_1
    GGUF the workflow starts from, and the prepared model converted back to GGUF in F32 and BF16.
@@ -22,6 +21,15 @@ for minutes (`llamacpp.build_llama_cpp`, cached under ~/.cache/ogspo/peers).
    `ignore_eos` bans end-of-generation tokens, while ogspo (evaluate's equal-work rule) generates
    through them, so where greedy decoding picks EOS the two texts part there (counted apart).
 
+3. ogspo's head inside llama.cpp (`--spec-type draft-eagle3`), converted by llama.cpp's converter
+   (F32 beside the F32 target, BF16 beside the BF16 and Q4_1 targets), at llama.cpp's default
+   settings (a chain of 3, no stop) and at ogspo's: `--spec-draft-n-max` / `--spec-draft-p-min` per
+   target file and workload from the run's T=0 records (`offline.chain`: the oracle restricted to a
+   chain and a threshold) priced with llama.cpp's own costs, measured first on calib prompts: target
+   forwards of 1..9 rows (`llama-bench -d`), and speculative runs without a stop at two chain
+   lengths, which split a head pass from the rest of a cycle. Tokens are compared with llama.cpp AR on
+   the same file; at a divergence the AR run's two best candidates there tell whether it is a near-tie.
+
 "ogspo best" is, per workload, the fastest speculative method of the DAG's own evaluation at T=0
 (results/cpu/evaluate/summary.json): picked before this run, not on its timings.
 """
@@ -36,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import torch
 
@@ -46,19 +55,25 @@ from llamacpp import (  # noqa: E402
     build_info,
     build_llama_cpp,
     convert_to_gguf,
+    eagle3_args,
     first_divergence,
     peers_cache_dir,
     run_bench,
 )
 
 from ogspo.artifacts.latency import LatencyModel  # noqa: E402
+from ogspo.artifacts.records import load_records  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
+from ogspo.offline.chain import chain_cycles, choose_chain, fit_chain_costs, replay_chain  # noqa: E402
 from ogspo.stages.evaluate import evaluate_methods, load_prompts, method_specs, pair_seed, slot_order  # noqa: E402
 from ogspo.stages.model import load_target, read_manifest, resolve_gguf  # noqa: E402
 
 SPEC_METHODS = ("eagle-tuned", "sequoia", "ogspo")
 LOOKUP = ("--spec-type", "ngram-cache")
+HEAD_DTYPE = {"f32": "f32", "bf16": "bf16", "q4_1": "bf16"}  # the head's GGUF beside each target file
+DEFAULT_CHAIN = (3, 0.0)  # llama.cpp's own --spec-draft-n-max / --spec-draft-p-min
+COST_CHAINS = (1, 4)  # chain lengths timed without a stop: they split a head pass from the rest of a cycle
 
 
 def dag_best(summary_path: Path, candidates: tuple[str, ...]) -> dict[str, str]:
@@ -102,8 +117,50 @@ def run_head(res: Path, model, checksum: str, kernels):
             drafter = make_drafter("eagle", target_model=model, max_len=4096, path=folder, target_checksum=checksum,
                                    kernels=kernels)
             if drafter.drafter_id == want:
-                return drafter
+                return drafter, folder
     raise ValueError(f"no draft head under {res} has the id {want!r} the latency model was calibrated for")
+
+
+def measure_chain_costs(bin_dir: Path, gguf: Path, head: Path, prompts: dict, *, threads: int, depth: int,
+                        max_new_tokens: int) -> tuple:
+    """llama.cpp's own costs on one target file (`offline.chain.ChainCosts`): forwards of 1..9 rows at
+    `depth` tokens of context (`llama-bench`), AR seconds per token and seconds per cycle of chains of
+    `COST_CHAINS` tokens without a stop, on `prompts` (calib prompts, not the ones compared later)."""
+    bench = run_bench(bin_dir, [gguf], threads=threads, n_prompt=list(range(1, 10)), n_gen=0, reps=5, depth=depth)
+    verify = np.array([b.seconds for b in sorted(bench, key=lambda b: int(b.test[2:]))])  # [9] seconds of 1..9 rows
+
+    def decode(extra):
+        seconds = steps = 0.0
+        with LlamaServer(bin_dir, gguf, threads=threads, extra=extra) as server:
+            for plist in prompts.values():
+                for _, ids in plist:
+                    server.complete(ids, 1)
+                    c = server.complete(ids, max_new_tokens)
+                    seconds += c.decode_seconds
+                    steps += c.drafted if c.drafted else max_new_tokens - 1
+        return seconds, steps
+
+    s_ar, n_ar = decode(())
+    runs = []
+    for n in COST_CHAINS:
+        s_n, drafted = decode(eagle3_args(head, n, 0.0))
+        runs.append((n, s_n / (drafted / n)))  # every cycle drafts n tokens without a stop
+    costs = fit_chain_costs(verify, runs, s_ar / n_ar)
+    return costs, {"verify_ms": [round(1e3 * v, 3) for v in verify], "runs_ms": {n: round(1e3 * c, 3) for n, c in runs},
+                   "level_ms": round(1e3 * costs.level, 3), "other_ms": round(1e3 * costs.other, 3),
+                   "ar_ms": round(1e3 * costs.ar, 3), "depth": depth}
+
+
+def near_ties(bin_dir: Path, gguf: Path, cases: list[tuple[list[int], int]], *, threads: int) -> list[dict]:
+    """For each (prompt + AR prefix, the other run's token there): llama.cpp AR's two best candidates
+    at that position, their log-probability margin, and whether the other token is the runner-up."""
+    out = []
+    with LlamaServer(bin_dir, gguf, threads=threads) as server:
+        for ids, other in cases:
+            top = server.next_logprobs(ids, 2)
+            out.append({"margin": top[0][1] - top[1][1] if len(top) > 1 else float("inf"),
+                        "runner_up": len(top) > 1 and top[1][0] == other})
+    return out
 
 
 def main() -> int:
@@ -114,11 +171,13 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calib-prompts", type=int, default=2, help="calib prompts per workload timing llama.cpp's costs")
     ap.add_argument("--out", type=Path, help="requests.parquet and peers.json (default RESULTS/peers)")
     ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
     args = ap.parse_args()
     res, out = args.results, args.out or args.results / "peers"
-    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json"):
+    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json",
+                 "records"):
         if not (res / need).exists():
             ap.error(f"{res / need} is missing: run the default workflow first (make run)")
     torch.set_num_threads(args.threads)
@@ -136,17 +195,43 @@ def main() -> int:
     checksum = read_manifest(res / "model")["checksum_sha256"]
     model, tok = load_target(res / "model")
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    drafter = run_head(res, model, checksum, kernels)
+    drafter, head_dir = run_head(res, model, checksum, kernels)
     target = make_target(model, max_len=4096, drafter=drafter, kernels=kernels)
     artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"), "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
                  "ogspo": str(res / "policy" / "{T}")}
     specs = method_specs(methods=["ar", *SPEC_METHODS], chains=[], eagle_default=[])
     best = dag_best(res / "evaluate" / "summary.json", SPEC_METHODS)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="eval", n=args.prompts)
-    peers = {"llama.cpp-f32": (files["f32"], ()), "llama.cpp-bf16": (files["bf16"], ()),
-             "llama.cpp-lookup-f32": (files["f32"], LOOKUP)}
+    peers = {"llama.cpp-f32": lambda w: (files["f32"], ()), "llama.cpp-bf16": lambda w: (files["bf16"], ()),
+             "llama.cpp-lookup-f32": lambda w: (files["f32"], LOOKUP)}
     if "q4_1" in files:
-        peers["llama.cpp-q4_1"] = (files["q4_1"], ())
+        peers["llama.cpp-q4_1"] = lambda w: (files["q4_1"], ())
+
+    # ogspo's head in llama.cpp: converted, priced with llama.cpp's costs, settings chosen on the T=0 records
+    heads = {dt: convert_to_gguf(head_dir, cache / "heads" / f"{drafter.drafter_id[:12]}-{dt}.gguf", outtype=dt,
+                                 src_root=bin_dir.parents[1], target_dir=res / "model")
+             for dt in sorted({HEAD_DTYPE[f] for f in files})}
+    calib = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="calib", n=args.calib_prompts)
+    depth = int(np.median([len(ids) for plist in prompts.values() for _, ids in plist])) + args.max_new_tokens // 2
+    cycles = {w: chain_cycles(load_records(res / "records" / w / "T0")) for w in prompts}
+    chains, costs_info = {}, {}
+    for f, gguf in files.items():
+        head = heads[HEAD_DTYPE[f]]
+        costs, costs_info[f] = measure_chain_costs(bin_dir, gguf, head, calib, threads=args.threads, depth=depth,
+                                                   max_new_tokens=args.max_new_tokens)
+        for w, cyc in cycles.items():
+            choice = choose_chain(cyc, costs)
+            j_def, d_def, a_def = replay_chain(cyc, costs, *DEFAULT_CHAIN)
+            chains[(f, w)] = {**choice.to_dict(), "default_tokens_per_second": j_def, "default_acceptance": a_def,
+                              "default_drafted_per_cycle": d_def, "cycles": len(cyc.accepted)}
+        print(f"llama.cpp {f} costs (ms): {costs_info[f]}; settings: "
+              + ", ".join(f"{w} N={chains[(f, w)]['n_max']} P={chains[(f, w)]['p_min']:g}" for w in cycles), flush=True)
+
+        def eagle3(w, f=f, gguf=gguf, head=head, default=False):
+            n, p = DEFAULT_CHAIN if default else (chains[(f, w)]["n_max"], chains[(f, w)]["p_min"])
+            return gguf, (eagle3_args(head, n, p) if n else ())
+        peers[f"llama.cpp-eagle3-{f}"] = lambda w, e=eagle3: e(w, default=True)
+        peers[f"llama.cpp-eagle3-ogspo-{f}"] = eagle3
     units = [*peers, "ogspo"]  # the ogspo unit runs its methods in evaluate's own mirrored order
 
     rows, t0 = [], time.perf_counter()
@@ -163,23 +248,25 @@ def main() -> int:
                         for r in ev.rows:
                             rows.append({**slot, "method": f"ogspo-{r.method}", "seconds": r.wall_seconds,
                                          "throughput": r.throughput, "tokens": r.tokens, "drafted": 0, "accepted": 0,
-                                         "tau": r.tau})
+                                         "tau": r.tau, "prompt": ids})
                         continue
-                    gguf, extra = peers[unit]
+                    gguf, extra = peers[unit](workload)
                     with LlamaServer(bin_dir, gguf, threads=args.threads, extra=extra) as server:
                         server.complete(ids, 1)  # untimed: the slot's prompt shapes, as ogspo's untimed prefill
                         c = server.complete(ids, args.max_new_tokens)
                     rows.append({**slot, "method": unit, "seconds": c.seconds, "throughput": c.throughput,
-                                 "tokens": c.tokens, "drafted": c.drafted, "accepted": c.accepted, "tau": float("nan")})
+                                 "tokens": c.tokens, "drafted": c.drafted, "accepted": c.accepted, "tau": float("nan"),
+                                 "prompt": ids})
                 print(f"r{repeat} {workload} {pid}: " + ", ".join(f"{r['method']} {r['throughput']:.1f}"
                                                                   for r in rows[-(len(units) + len(specs) - 1):]), flush=True)
     seconds = time.perf_counter() - t0
     df = with_best(pl.DataFrame(rows), best)
+    lossless = eagle3_lossless(df, files, threads=args.threads, bin_dir=bin_dir)
     out.mkdir(parents=True, exist_ok=True)
     df.write_parquet(out / "requests.parquet")
 
     section, figures = render(df, bench, best, special=set(tok.all_special_ids), args=args, bin_dir=bin_dir, files=files,
-                              seconds=seconds)
+                              seconds=seconds, chains=chains, costs=costs_info, lossless=lossless)
     (out / "peers.json").write_text(json.dumps(figures, indent=1))
     print(section)
     if args.write:
@@ -187,19 +274,45 @@ def main() -> int:
     return 0
 
 
+def eagle3_lossless(df: pl.DataFrame, files: dict, *, threads: int, bin_dir: Path) -> dict:
+    """Per llama.cpp EAGLE-3 unit: requests whose tokens equal llama.cpp AR's on the same file in the
+    same slot, and at each divergence whether it is a near-tie (`near_ties`)."""
+    out = {}
+    key = ("workload", "prompt_id", "repeat")
+    for f, gguf in files.items():
+        ar = {tuple(r[k] for k in key): r for r in df.filter(pl.col("method") == f"llama.cpp-{f}").iter_rows(named=True)}
+        for unit in (f"llama.cpp-eagle3-{f}", f"llama.cpp-eagle3-ogspo-{f}"):
+            cases, n, equal = [], 0, 0
+            for r in df.filter(pl.col("method") == unit).iter_rows(named=True):
+                base = ar[tuple(r[k] for k in key)]
+                d = first_divergence(r["tokens"], base["tokens"])
+                n += 1
+                if d < 0:
+                    equal += 1
+                else:
+                    cases.append((list(base["prompt"]) + list(base["tokens"][:d]), r["tokens"][d], d))
+            ties = near_ties(bin_dir, gguf, [(ids, t) for ids, t, _ in cases], threads=threads) if cases else []
+            out[unit] = {"equal": equal, "n": n, "divergences": [{"at": d, **t} for (_, _, d), t in zip(cases, ties)]}
+    return out
+
+
 RATIOS = (  # (method, baseline): the goal, the moonshot, and what else a reader asks
     ("ogspo-best", "llama.cpp-f32"), ("ogspo-ar", "llama.cpp-f32"), ("ogspo-best", "llama.cpp-q4_1"),
     ("ogspo-best", "llama.cpp-bf16"), ("llama.cpp-lookup-f32", "llama.cpp-f32"), ("ogspo-best", "ogspo-ar"),
+    *((f"llama.cpp-eagle3-ogspo-{f}", f"llama.cpp-{f}") for f in ("f32", "bf16", "q4_1")),
+    *((f"llama.cpp-eagle3-{f}", f"llama.cpp-{f}") for f in ("f32", "bf16", "q4_1")),
+    *((f"llama.cpp-eagle3-ogspo-{f}", f"llama.cpp-eagle3-{f}") for f in ("f32", "bf16", "q4_1")),
+    ("ogspo-best", "llama.cpp-eagle3-ogspo-bf16"),
 )
 
 
 def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_dir: Path, files: dict,
-           seconds: float) -> tuple[str, dict]:
+           seconds: float, chains: dict, costs: dict, lossless: dict) -> tuple[str, dict]:
     methods = list(dict.fromkeys(df["method"].to_list()))
     tables, med, ratios = paired_tables(df, RATIOS, seed=args.seed)
     ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == "ogspo-ar").iter_rows(named=True)}
     same = {}
-    for m in (m for m in methods if m.startswith("llama.cpp")):
+    for m in (m for m in methods if m.startswith("llama.cpp") and "eagle3" not in m):
         div = []
         for r in df.filter(pl.col("method") == m).iter_rows(named=True):
             mine = ref[(r["workload"], r["prompt_id"], r["repeat"])]
@@ -241,12 +354,45 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
     if look.height and look["drafted"].sum() > 0:
         lines.append(f"- llama.cpp lookup drafted {look['drafted'].sum()} tokens over {look.height} requests and "
                      f"{look['accepted'].sum() / look['drafted'].sum():.0%} of them were accepted")
+    lines += ["", "### ogspo's head inside llama.cpp (`--spec-type draft-eagle3`)", "",
+              f"llama.cpp's own costs, measured first on {args.calib_prompts} calib prompts per workload (ms): a target "
+              f"forward of 1 / 2 / 4 / 9 rows at {next(iter(costs.values()))['depth']} tokens of context (`llama-bench -d`), "
+              "a head pass and the rest of a speculative cycle (fitted on chains of "
+              f"{' and '.join(map(str, COST_CHAINS))} without a stop), an AR token:", "",
+              "| target file | verify 1 | 2 | 4 | 9 | head pass | rest of a cycle | AR token |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for f, c in costs.items():
+        v = c["verify_ms"]
+        lines.append(f"| {f} | {v[0]:.2f} | {v[1]:.2f} | {v[3]:.2f} | {v[8]:.2f} | {c['level_ms']:.2f} | {c['other_ms']:.2f} | {c['ar_ms']:.2f} |")
+    lines += ["", "Settings chosen on the run's T=0 records (calib prompts; replayed tokens/s with these costs, "
+              "accepted / drafted) against llama.cpp's default (N=3, P=0) replayed the same way, and what llama.cpp "
+              "realised here (accepted / drafted over the eval requests):", "",
+              "| target file | workload | N | P | replayed / AR | default replayed / AR | replayed acceptance | "
+              "llama.cpp acceptance (ogspo's settings) | (default) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (f, w), c in chains.items():
+        def real(unit):
+            sub = df.filter((pl.col("method") == unit) & (pl.col("workload") == w))
+            return f"{sub['accepted'].sum() / sub['drafted'].sum():.2f}" if sub.height and sub["drafted"].sum() else "-"
+        ar = c["ar_tokens_per_second"]
+        lines.append(f"| {f} | {w} | {c['n_max'] or 'off'} | {c['p_min']:g} | {c['tokens_per_second'] / ar:.3f} | "
+                     f"{c['default_tokens_per_second'] / ar:.3f} | {c['acceptance']:.2f} | {real(f'llama.cpp-eagle3-ogspo-{f}')} | "
+                     f"{real(f'llama.cpp-eagle3-{f}')} |")
+    lines += ["", "T=0 tokens of llama.cpp with the head against llama.cpp AR on the same file and slot; at a divergence, "
+              "AR's log-probability margin between its two best candidates there and whether the head run's token is "
+              "the runner-up (a near-tie flipped by the batched verification's arithmetic):", ""]
+    for unit, s in lossless.items():
+        divs = s["divergences"]
+        lines.append(f"- {unit}: {s['equal']}/{s['n']} equal" + (
+            "; divergences at " + ", ".join(f"{d['at']} (margin {d['margin']:.3f}, {'runner-up' if d['runner_up'] else 'NOT the runner-up'})"
+                                            for d in divs) if divs else ""))
+    lines.append("- The replayed figures price q (the head's probability over the whole draft vocabulary) against P, "
+                 "while llama.cpp renormalises over the head's top 10: its P stops no earlier than replayed.")
     tau = {m: df.filter(pl.col("method") == m)["tau"].median() for m in methods if m.startswith("ogspo-") and m != "ogspo-ar"}
     lines.append("- ogspo tokens per target forward (median tau): " + ", ".join(f"{m} {t:.2f}" for m, t in tau.items()))
     figures = {"bench": [b.__dict__ for b in bench], "medians": {f"{m}/{w}": v for (m, w), v in med.items()},
                "ratios": {k: {"pooled": v["pooled"].to_dict(), "cells": {w: c.to_dict() for (w, _), c in v["cells"].items()}}
                           for k, v in ratios.items()},
-               "tokens": same, "best": best, "build": info, "files": {k: str(v) for k, v in files.items()}}
+               "tokens": same, "best": best, "build": info, "files": {k: str(v) for k, v in files.items()},
+               "eagle3": {"settings": {f"{f}/{w}": c for (f, w), c in chains.items()}, "costs": costs, "lossless": lossless}}
     return "\n".join(lines), figures
 
 

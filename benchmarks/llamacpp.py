@@ -108,23 +108,55 @@ def build_info(bin_dir: Path) -> dict:
     return json.loads((bin_dir.parents[1] / "build.json").read_text())
 
 
-def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path) -> Path:
-    """The prepared (Hugging Face) model folder as a GGUF file of `outtype` (f32, bf16, f16), with
-    llama.cpp's own `convert_hf_to_gguf.py` and `gguf-py` (needs `sentencepiece` importable); reused
-    when present. Written to a temporary name first, so a failed conversion leaves nothing."""
+CONVERTER_PACKAGES = ("torch==2.13.0", "numpy", "sentencepiece", "transformers", "safetensors", "protobuf")
+
+
+def converter_python(cache: Path | None = None, *, log=print) -> Path:
+    """The python of the converter's own venv (`<peers cache>/convert-venv`), created on first use with
+    `CONVERTER_PACKAGES`: llama.cpp's converter needs sentencepiece, which brings a second libgomp
+    that must not share a process with the project's torch, so it never enters the project's `.venv`."""
+    venv = (cache or peers_cache_dir()) / "convert-venv"
+    python = venv / "bin" / "python"
+    if (venv / "ready").is_file():
+        return python
+    log(f"creating the converter's venv in {venv} ...")
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *CONVERTER_PACKAGES], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise RuntimeError(f"installing {' '.join(CONVERTER_PACKAGES)} into {venv} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    (venv / "ready").write_text(" ".join(CONVERTER_PACKAGES))
+    return python
+
+
+def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path, target_dir: Path | None = None,
+                    python: Path | None = None) -> Path:
+    """A Hugging Face model folder as a GGUF file of `outtype` (f32, bf16, f16), with llama.cpp's own
+    `convert_hf_to_gguf.py` and `gguf-py` run by the converter's venv (`converter_python`); reused when
+    present. `target_dir`: `model_dir` is an EAGLE-3 head and this is its target's folder (the
+    converter's `--target-model-dir`: tokenizer, layer count, hidden size). Written to a temporary name
+    first, so a failed conversion leaves nothing."""
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.part")
-    # llama.cpp's gguf-py first, then the caller's PYTHONPATH (where sentencepiece may live outside the venv)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(src_root / "gguf-py"), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(src_root / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
-                           "--outfile", str(tmp)], env=env, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=str(src_root / "gguf-py"))
+    extra = ["--target-model-dir", str(target_dir)] if target_dir is not None else []
+    proc = subprocess.run([str(python or converter_python()), str(src_root / "convert_hf_to_gguf.py"), str(model_dir),
+                           "--outtype", outtype, "--outfile", str(tmp), *extra], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir} ({outtype}): {proc.stderr.strip().splitlines()[-1:]}")
     os.replace(tmp, out)
     return out
+
+
+def eagle3_args(head: Path, n_max: int, p_min: float) -> tuple[str, ...]:
+    """`llama-server` options that draft with the EAGLE-3 head GGUF `head`: a chain of up to `n_max`
+    tokens, stopped below top-1 probability `p_min` (llama.cpp's defaults: 3 and 0)."""
+    return ("--spec-type", "draft-eagle3", "-md", str(head), "--spec-draft-n-max", str(n_max),
+            "--spec-draft-p-min", f"{p_min:g}")
 
 
 # ---------------------------------------------------------------- parsing (unit-tested)
@@ -164,12 +196,29 @@ def parse_completion(resp: dict) -> PeerCompletion:
                          f"predicted_ms; was return_tokens set?)") from None
 
 
+def parse_top_logprobs(resp: dict) -> list[tuple[int, float]]:
+    """(token id, log-probability) of the first generated position's candidates in a `/completion`
+    response requested with `n_probs`."""
+    try:
+        first = resp["completion_probabilities"][0]
+        return [(int(c["id"]), float(c["logprob"])) for c in first["top_logprobs"]]
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ValueError(f"llama-server /completion response lacks completion_probabilities[0].top_logprobs ({exc}; "
+                         "was n_probs set?)") from None
+
+
 @dataclass(frozen=True)
 class BenchRow:
     model: str  # the GGUF file's name
     test: str  # "pp128" or "tg128"
     tokens_per_second: float
     stddev: float
+    depth: int = 0  # tokens already in the cache (`-d`)
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of one forward of the test's tokens (pp: all prompt rows in one batch)."""
+        return int(self.test[2:]) / self.tokens_per_second
 
 
 def parse_bench(text: str) -> list[BenchRow]:
@@ -178,7 +227,7 @@ def parse_bench(text: str) -> list[BenchRow]:
     for r in json.loads(text):
         test = f"pp{r['n_prompt']}" if int(r["n_gen"]) == 0 else f"tg{r['n_gen']}"
         rows.append(BenchRow(model=Path(r["model_filename"]).name, test=test, tokens_per_second=float(r["avg_ts"]),
-                             stddev=float(r["stddev_ts"])))
+                             stddev=float(r["stddev_ts"]), depth=int(r.get("n_depth", 0))))
     return rows
 
 
@@ -247,10 +296,23 @@ class LlamaServer:
                                f"{len(out.tokens)} of {n} tokens")
         return out
 
+    def next_logprobs(self, ids: list[int], k: int = 2) -> list[tuple[int, float]]:
+        """The k most probable next tokens after `ids` and their log-probabilities (greedy, one token;
+        the near-tie check of a divergence)."""
+        body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "top_k": 1, "n_probs": k, "cache_prompt": False,
+                "return_tokens": True, "stream": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return parse_top_logprobs(json.loads(r.read()))
 
-def run_bench(bin_dir: Path, models: list[Path], *, threads: int, n_prompt: int = 128, n_gen: int = 128, reps: int = 3) -> list[BenchRow]:
-    """`llama-bench -t threads -p n_prompt -n n_gen -r reps` over the model files."""
-    cmd = [str(bin_dir / "llama-bench"), "-m", ",".join(map(str, models)), "-t", str(threads), "-p", str(n_prompt),
-           "-n", str(n_gen), "-r", str(reps), "-o", "json"]
+
+def run_bench(bin_dir: Path, models: list[Path], *, threads: int, n_prompt: int | list[int] = 128, n_gen: int = 128,
+              reps: int = 3, depth: int = 0) -> list[BenchRow]:
+    """`llama-bench -t threads -p n_prompt -n n_gen -r reps -d depth` over the model files (`n_gen` 0:
+    prompt tests only; a list of prompt sizes: one test each, e.g. forwards of 1..9 rows = verify costs)."""
+    sizes = ",".join(map(str, n_prompt)) if isinstance(n_prompt, list) else str(n_prompt)
+    cmd = [str(bin_dir / "llama-bench"), "-m", ",".join(map(str, models)), "-t", str(threads), "-p", sizes,
+           "-n", str(n_gen), "-r", str(reps), "-d", str(depth), "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return parse_bench(proc.stdout)
