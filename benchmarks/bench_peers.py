@@ -366,16 +366,16 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
     lines += ["", "Settings chosen on the run's T=0 records (calib prompts; replayed tokens/s with these costs, "
               "accepted / drafted) against llama.cpp's default (N=3, P=0) replayed the same way, and what llama.cpp "
               "realised here (accepted / drafted over the eval requests):", "",
-              "| target file | workload | N | P | replayed / AR | default replayed / AR | replayed acceptance | "
-              "llama.cpp acceptance (ogspo's settings) | (default) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| target file | workload | N | P | replayed / AR | default replayed / AR | acceptance replayed, ogspo's settings "
+              "| llama.cpp, ogspo's settings | replayed, default | llama.cpp, default |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (f, w), c in chains.items():
         def real(unit):
             sub = df.filter((pl.col("method") == unit) & (pl.col("workload") == w))
-            return f"{sub['accepted'].sum() / sub['drafted'].sum():.2f}" if sub.height and sub["drafted"].sum() else "-"
+            return f"{sub['accepted'].sum() / sub['drafted'].sum():.2f}" if sub.height and sub["drafted"].sum() else "- (off)"
         ar = c["ar_tokens_per_second"]
         lines.append(f"| {f} | {w} | {c['n_max'] or 'off'} | {c['p_min']:g} | {c['tokens_per_second'] / ar:.3f} | "
                      f"{c['default_tokens_per_second'] / ar:.3f} | {c['acceptance']:.2f} | {real(f'llama.cpp-eagle3-ogspo-{f}')} | "
-                     f"{real(f'llama.cpp-eagle3-{f}')} |")
+                     f"{c['default_acceptance']:.2f} | {real(f'llama.cpp-eagle3-{f}')} |")
     lines += ["", "T=0 tokens of llama.cpp with the head against llama.cpp AR on the same file and slot; at a divergence, "
               "AR's log-probability margin between its two best candidates there and whether the head run's token is "
               "the runner-up (a near-tie flipped by the batched verification's arithmetic):", ""]

@@ -84,3 +84,24 @@ def test_best_method_comes_from_the_dag_and_pairs_request_by_request(tmp_path):
     r = ratio_intervals(df, "ogspo-best", "llama.cpp-f32")
     assert r["cells"][("a", 0.0)].ratio == pytest.approx(1.5) and r["cells"][("b", 0.0)].ratio == pytest.approx(0.5)
     assert r["pooled"].ratio == pytest.approx(math.sqrt(1.5 * 0.5)) and r["pooled"].n == 4
+
+
+def test_top_logprobs_parse_from_a_recorded_n_probs_response():
+    resp = json.loads((DATA / "completion_probs.json").read_text())
+    top = llamacpp.parse_top_logprobs(resp)
+    assert len(top) == 2 and top[0][1] >= top[1][1] and all(isinstance(t, int) for t, _ in top)
+    assert top[0][0] == resp["tokens"][0]  # greedy: the best candidate is what was generated
+    del resp["completion_probabilities"]
+    with pytest.raises(ValueError, match="n_probs"):
+        llamacpp.parse_top_logprobs(resp)
+
+
+def test_bench_rows_at_a_depth_give_seconds_per_forward():
+    rows = llamacpp.parse_bench((DATA / "bench_depth.json").read_text())
+    assert [(r.test, r.depth) for r in rows] == [("pp1", 16), ("pp2", 16)]
+    assert all(r.seconds == pytest.approx(int(r.test[2:]) / r.tokens_per_second) for r in rows)
+
+
+def test_eagle3_args_name_the_head_and_the_chain_settings():
+    args = llamacpp.eagle3_args(Path("/h/head.gguf"), 4, 0.35)
+    assert args == ("--spec-type", "draft-eagle3", "-md", "/h/head.gguf", "--spec-draft-n-max", "4", "--spec-draft-p-min", "0.35")
