@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 
-from ogspo.engine.policies import select_top_nodes
 from ogspo.engine.tree import (
     DraftTree,
     Structure,
@@ -9,6 +8,7 @@ from ogspo.engine.tree import (
     children_lists,
     leaf_paths,
     node_rank_paths,
+    select_top_nodes,
     tree_positions,
 )
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .drafters import TreeDrafter
-from .tree import DraftTree, Structure
+from .tree import DraftTree, Structure, select_top_nodes
 
 
 @dataclass(frozen=True)
@@ -163,29 +163,3 @@ class DynamicTree(TreePolicy):
                 break
         keep = select_top_nodes(tree.parents, tree.depths, cum, self.total_tokens)
         return Draft(drafted=tree, verified=keep, level_seconds=times, stopped_early=stopped)
-
-
-def select_top_nodes(parents: np.ndarray, depths: np.ndarray, cum: np.ndarray, total: int) -> np.ndarray:
-    """Root plus the `total` drafted nodes with the highest cumulative log-prob, ancestor-closed.
-
-    Log-probs are <= 0, so a parent never scores below its child; ties break toward shallower nodes.
-    """
-    order = np.lexsort((depths[1:], -cum[1:])) + 1  # by score desc, then depth asc
-    chosen = np.zeros(len(parents), dtype=bool)
-    chosen[0] = True
-    count = 0
-    for v in order:
-        if count >= total:
-            break
-        if chosen[v]:
-            continue
-        chain_ = []
-        a = v
-        while not chosen[a]:
-            chain_.append(a)
-            a = parents[a]
-        if count + len(chain_) > total:
-            continue
-        chosen[chain_] = True
-        count += len(chain_)
-    return np.nonzero(chosen)[0]

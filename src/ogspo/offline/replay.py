@@ -24,7 +24,10 @@ import numpy as np
 
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, template_index
-from ogspo.engine.tree import Structure
+from ogspo.engine.tree import (
+    Structure,
+    select_top_nodes,  # the engine's own rerank: replay and decoding agree
+)
 
 
 @dataclass
@@ -145,3 +148,59 @@ def replay(
     secs = np.zeros((0, 0)) if model is None else (
         cycle_times(masks, cycles.template, depths, cycles.context_lengths, model) + model.t_catchup(acc))  # [K, C]
     return ReplayResult(accepted=acc, seconds=secs)
+
+
+def template_cum_logq(records: Records) -> np.ndarray:
+    """Every cycle's cumulative head log-probability of every template node (root 0 = 0). [C, |T| + 1];
+    rows follow `records.cycles` (what `replay_cycles` reads)."""
+    cyc = records.cycles
+    row = {(r, c): i for i, (r, c) in enumerate(zip(cyc["request_id"].to_list(), cyc["cycle"].to_list()))}
+    out = np.full((cyc.height, len(records.template) + 1), np.nan)
+    out[:, 0] = 0.0
+    n = records.nodes
+    for r, c, t, v in zip(n["request_id"].to_list(), n["cycle"].to_list(), n["tnode"].to_list(), n["cum_logq"].to_list()):
+        out[row[(r, c)], t] = v
+    return out
+
+
+def replay_dynamic(*, cycles: ReplayCycles, cum_logq: np.ndarray, total_tokens: int, depth: int, top_k: int,
+                   model: LatencyModel) -> ReplayResult:
+    """A_c and t_c of EAGLE-3's dynamic tree [total_tokens, depth, top_k] (`engine.policies.DynamicTree`,
+    SGLang's three settings) on every recorded cycle: per cycle, the template nodes it would draft
+    (the top_k children of each of the top_k frontier nodes, level by level) and verify (the best
+    `total_tokens` of them by cumulative log-prob). ValueError when the template lacks a child the
+    tree would draft (a level narrower than top_k). Returns [1, C] arrays."""
+    T = cycles.template
+    idx = template_index(T)
+    paths = [()] + [tuple(p) for p in T.to_list()]
+    C = cum_logq.shape[0]
+    masks = np.zeros((C, len(T) + 2), dtype=bool)
+    widths = np.zeros(depth, dtype=np.int64)
+    sizes = np.zeros(C, dtype=np.int64)
+    for c in range(C):
+        drafted, frontier = [0], [0]
+        for level in range(depth):
+            new = []
+            for f in frontier:
+                for r in range(top_k):
+                    child = idx.get((*paths[f], r))
+                    if child is None:
+                        raise ValueError(f"the records template has no node {list((*paths[f], r))}: it cannot replay a dynamic "
+                                         f"tree of top_k {top_k} to depth {depth} (template level sizes {T.level_sizes()})")
+                    new.append(child)
+            widths[level] = len(frontier)
+            drafted += new
+            frontier = sorted(sorted(new, key=lambda v: -cum_logq[c, v])[:top_k])
+        sub = np.array(drafted)
+        if np.isnan(cum_logq[c, sub]).any():
+            raise ValueError(f"records cycle {c} lacks the log-probability of a template node (every cycle drafts the template)")
+        parents = np.array([0] + [drafted.index(idx[paths[v][:-1]]) for v in drafted[1:]])
+        depths = np.array([len(paths[v]) for v in drafted])
+        keep = sub[select_top_nodes(parents, depths, cum_logq[c, sub], total_tokens)]
+        masks[c, keep] = True
+        sizes[c] = len(keep)
+    k = np.cumprod(masks[np.arange(C)[:, None], cycles.paths], axis=1, dtype=np.int8).sum(axis=1, dtype=np.int64)  # [C]
+    acc = 1 + k
+    secs = model.t_draft(widths).sum() + model.t_verify(sizes, cycles.context_lengths) + model.t_fixed(sizes) + \
+        model.t_catchup(acc)  # [C]; sizes: verified nodes, root included
+    return ReplayResult(accepted=acc[None], seconds=np.asarray(secs, dtype=np.float64)[None])

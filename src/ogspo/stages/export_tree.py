@@ -14,6 +14,12 @@
   representable there, and the dynamic tree of the same depth, widest level and size is given as
   the nearest, marked so.
 An empty structure (autoregressive decoding shipped) exports as "no speculation".
+
+Where the run's records and latency model are there, every exported structure carries `replayed`:
+tokens/s on the records (the workload's, or all of them) under the latency model, of the structure
+itself, of its nearest SGLang tree (`offline.replay.replay_dynamic`; where the records template is
+narrower than that tree, the reason instead) and of autoregressive decoding, so what a non-exact
+export costs is a number.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import json
 from pathlib import Path
 
 from ogspo.artifacts.io import write_json
+from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.policy_folder import EXPORT_FILE, WORKLOADS_FILE
+from ogspo.artifacts.records import load_records
 from ogspo.engine.tree import Structure
+from ogspo.offline.replay import replay, replay_cycles, replay_dynamic, template_cum_logq
 
 
 def vllm_tree(structure: Structure) -> dict:
@@ -64,6 +73,35 @@ def sglang_nearest(structure: Structure) -> dict:
         "exact": False, "why": "SGLang drafts dynamic trees (top-k per level, reranked), not a given static tree"}
 
 
+def replayed(structure: Structure, records: list, model: LatencyModel) -> dict:
+    """Tokens/s on `records` (a list of `Records`) of `structure`, of its nearest SGLang tree and of AR."""
+    acc = {"structure": 0.0, "ar": 0.0, "sglang": 0.0}
+    sec = dict.fromkeys(acc, 0.0)
+    near = sglang_nearest(structure)
+    why = None
+    for rec in records:
+        cyc = replay_cycles(rec)
+        for key, s in (("structure", structure), ("ar", Structure([]))):
+            r = replay(cycles=cyc, structures=[s], depths=[s.max_depth if len(s) else 0], model=model)
+            acc[key] += float(r.accepted.sum())
+            sec[key] += float(r.seconds.sum())
+        if near.get("speculation") and why is None:
+            try:
+                r = replay_dynamic(cycles=cyc, cum_logq=template_cum_logq(rec), total_tokens=len(structure),
+                                   depth=near["speculative_num_steps"], top_k=near["speculative_eagle_topk"], model=model)
+                acc["sglang"] += float(r.accepted.sum())
+                sec["sglang"] += float(r.seconds.sum())
+            except ValueError as exc:
+                why = str(exc)
+    out = {"tokens_per_second": acc["structure"] / sec["structure"], "ar_tokens_per_second": acc["ar"] / sec["ar"],
+           "cycles": int(sum(r.cycles.height for r in records))}
+    if near.get("speculation"):
+        out["sglang_nearest_tokens_per_second"] = None if why else acc["sglang"] / sec["sglang"]
+        if why:
+            out["sglang_not_replayed"] = why
+    return out
+
+
 def _structure_file(path: Path) -> Structure | None:
     return Structure(json.loads(path.read_text())["structure"]) if path.is_file() else None
 
@@ -74,8 +112,21 @@ def export_trees(results: Path, tags: list[str]) -> dict:
     are left out and named in `missing`."""
     results = Path(results)
     out: dict = {"results": str(results), "temperatures": {}, "missing": []}
+    lat = results / "latency" / "latency.json"
+    model = LatencyModel.from_json(lat) if lat.is_file() else None
+    if model is None:
+        out["missing"].append(f"{lat} (no replayed tokens/s)")
     for tag in tags:
         doc: dict = {}
+        folders = {p.parent.name: p for p in sorted((results / "records").glob(f"*/{tag}")) if p.is_dir()}
+        records = {w: load_records(p) for w, p in folders.items()} if model is not None else {}
+
+        def with_replay(entry: dict, s: Structure, workload: str) -> dict:
+            recs = [records[workload]] if workload in records else list(records.values())
+            if recs and len(s):
+                entry["replayed"] = replayed(s, recs, model)
+            return entry
+
         policy = results / "policy" / tag
         shipped = _structure_file(policy / "structure.json")
         if shipped is None:
@@ -87,7 +138,7 @@ def export_trees(results: Path, tags: list[str]) -> dict:
                 {"*": ("policy" if not export.get("static", True) and len(shipped) else "static", shipped)}
             doc["ogspo"] = {}
             for w, (what, s) in choices.items():
-                entry = {"structure": s.to_list(), "vllm": vllm_tree(s), "sglang": sglang_nearest(s)}
+                entry = with_replay({"structure": s.to_list(), "vllm": vllm_tree(s), "sglang": sglang_nearest(s)}, s, w)
                 if what == "policy":
                     entry["stop_policy"] = "not exported: vLLM and SGLang verify the whole tree; this is its structure"
                 doc["ogspo"][w] = entry
@@ -95,7 +146,8 @@ def export_trees(results: Path, tags: list[str]) -> dict:
         if seq is None:
             out["missing"].append(f"{results}/sequoia/{tag}/structure.json")
         else:
-            doc["sequoia"] = {"structure": seq.to_list(), "vllm": vllm_tree(seq), "sglang": sglang_nearest(seq)}
+            doc["sequoia"] = with_replay({"structure": seq.to_list(), "vllm": vllm_tree(seq), "sglang": sglang_nearest(seq)},
+                                         seq, "*")
         tune = results / "evaluate" / f"tune_{tag}.json"
         if not tune.is_file():
             out["missing"].append(str(tune))
