@@ -130,22 +130,23 @@ def measure_chain_costs(bin_dir: Path, gguf: Path, head: Path, prompts: dict, *,
     verify = np.array([b.seconds for b in sorted(bench, key=lambda b: int(b.test[2:]))])  # [9] seconds of 1..9 rows
 
     def decode(extra):
-        seconds = steps = 0.0
+        """(decode seconds, drafted tokens) over `prompts`."""
+        seconds, drafted = 0.0, 0
         with LlamaServer(bin_dir, gguf, threads=threads, extra=extra) as server:
             for plist in prompts.values():
                 for _, ids in plist:
                     server.complete(ids, 1)
                     c = server.complete(ids, max_new_tokens)
-                    seconds += c.decode_seconds
-                    steps += c.drafted if c.drafted else max_new_tokens - 1
-        return seconds, steps
+                    seconds, drafted = seconds + c.decode_seconds, drafted + c.drafted
+        return seconds, drafted
 
-    s_ar, n_ar = decode(())
+    n_requests = sum(len(plist) for plist in prompts.values())
+    s_ar = decode(())[0] / (n_requests * (max_new_tokens - 1))  # the first token comes with the prompt
     runs = []
     for n in COST_CHAINS:
         s_n, drafted = decode(eagle3_args(head, n, 0.0))
         runs.append((n, s_n / (drafted / n)))  # every cycle drafts n tokens without a stop
-    costs = fit_chain_costs(verify, runs, s_ar / n_ar)
+    costs = fit_chain_costs(verify, runs, s_ar)
     return costs, {"verify_ms": [round(1e3 * v, 3) for v in verify], "runs_ms": {n: round(1e3 * c, 3) for n, c in runs},
                    "level_ms": round(1e3 * costs.level, 3), "other_ms": round(1e3 * costs.other, 3),
                    "ar_ms": round(1e3 * costs.ar, 3), "depth": depth}
@@ -226,12 +227,9 @@ def main() -> int:
                               "default_drafted_per_cycle": d_def, "cycles": len(cyc.accepted)}
         print(f"llama.cpp {f} costs (ms): {costs_info[f]}; settings: "
               + ", ".join(f"{w} N={chains[(f, w)]['n_max']} P={chains[(f, w)]['p_min']:g}" for w in cycles), flush=True)
-
-        def eagle3(w, f=f, gguf=gguf, head=head, default=False):
-            n, p = DEFAULT_CHAIN if default else (chains[(f, w)]["n_max"], chains[(f, w)]["p_min"])
-            return gguf, (eagle3_args(head, n, p) if n else ())
-        peers[f"llama.cpp-eagle3-{f}"] = lambda w, e=eagle3: e(w, default=True)
-        peers[f"llama.cpp-eagle3-ogspo-{f}"] = eagle3
+        peers[f"llama.cpp-eagle3-{f}"] = lambda w, g=gguf, h=head: (g, eagle3_args(h, *DEFAULT_CHAIN))
+        peers[f"llama.cpp-eagle3-ogspo-{f}"] = lambda w, g=gguf, h=head, f=f: (
+            g, eagle3_args(h, chains[(f, w)]["n_max"], chains[(f, w)]["p_min"]) if chains[(f, w)]["n_max"] else ())  # off: plain
     units = [*peers, "ogspo"]  # the ogspo unit runs its methods in evaluate's own mirrored order
 
     rows, t0 = [], time.perf_counter()

@@ -130,8 +130,7 @@ def converter_python(cache: Path | None = None, *, log=print) -> Path:
     return python
 
 
-def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path, target_dir: Path | None = None,
-                    python: Path | None = None) -> Path:
+def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path, target_dir: Path | None = None) -> Path:
     """A Hugging Face model folder as a GGUF file of `outtype` (f32, bf16, f16), with llama.cpp's own
     `convert_hf_to_gguf.py` and `gguf-py` run by the converter's venv (`converter_python`); reused when
     present. `target_dir`: `model_dir` is an EAGLE-3 head and this is its target's folder (the
@@ -143,7 +142,7 @@ def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path,
     tmp = out.with_name(f".{out.name}.part")
     env = dict(os.environ, PYTHONPATH=str(src_root / "gguf-py"))
     extra = ["--target-model-dir", str(target_dir)] if target_dir is not None else []
-    proc = subprocess.run([str(python or converter_python()), str(src_root / "convert_hf_to_gguf.py"), str(model_dir),
+    proc = subprocess.run([str(converter_python()), str(src_root / "convert_hf_to_gguf.py"), str(model_dir),
                            "--outtype", outtype, "--outfile", str(tmp), *extra], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -284,13 +283,16 @@ class LlamaServer:
                 self.proc.wait()
         self.proc = None
 
-    def complete(self, ids: list[int], n: int) -> PeerCompletion:
-        body = {"prompt": ids, "n_predict": n, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
+    def _completion(self, **body) -> dict:
+        """POST /completion greedily (T=0, top-1), no prompt cache, ids returned; the JSON reply."""
+        body = {"temperature": 0.0, "top_k": 1, "cache_prompt": False, "return_tokens": True, "stream": False, **body}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
-            out = parse_completion(json.loads(r.read()))
+            return json.loads(r.read())
+
+    def complete(self, ids: list[int], n: int) -> PeerCompletion:
+        out = parse_completion(self._completion(prompt=ids, n_predict=n, ignore_eos=True))
         if out.prompt_tokens != len(ids) or len(out.tokens) != n:
             raise RuntimeError(f"llama-server evaluated {out.prompt_tokens} prompt tokens of {len(ids)} and returned "
                                f"{len(out.tokens)} of {n} tokens")
@@ -299,13 +301,7 @@ class LlamaServer:
     def next_logprobs(self, ids: list[int], k: int = 2) -> list[tuple[int, float]]:
         """The k most probable next tokens after `ids` and their log-probabilities (greedy, one token;
         the near-tie check of a divergence)."""
-        body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "top_k": 1, "n_probs": k, "cache_prompt": False,
-                "return_tokens": True, "stream": False}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return parse_top_logprobs(json.loads(r.read()))
-
+        return parse_top_logprobs(self._completion(prompt=ids, n_predict=1, n_probs=k))
 
 def run_bench(bin_dir: Path, models: list[Path], *, threads: int, n_prompt: int | list[int] = 128, n_gen: int = 128,
               reps: int = 3, depth: int = 0) -> list[BenchRow]:

@@ -18,10 +18,16 @@ def records(cases):
     index = template_index(TEMPLATE)
     nodes, cycles = [], []
     for c, (rid, qs, path) in enumerate(cases):
+        cum = 0.0
         for k, q in enumerate(qs, start=1):
-            nodes.append({"request_id": rid, "cycle": c, "rank_path": ".".join(["0"] * k), "logq": math.log(q)})
-        nodes.append({"request_id": rid, "cycle": c, "rank_path": "1", "logq": math.log(0.05)})  # off the chain
-        cycles.append({"request_id": rid, "cycle": c, "accepted_tnodes": [index[tuple(p)] for p in path]})
+            cum += math.log(q)
+            nodes.append({"request_id": rid, "cycle": c, "tnode": index[(0,) * k], "rank_path": ".".join(["0"] * k),
+                          "logq": math.log(q), "cum_logq": cum})
+        for off in ((1,), (0, 1)):  # off the chain
+            nodes.append({"request_id": rid, "cycle": c, "tnode": index[off], "rank_path": ".".join(map(str, off)),
+                          "logq": math.log(0.05), "cum_logq": math.log(0.05)})
+        cycles.append({"request_id": rid, "cycle": c, "context_length": 100,
+                       "accepted_tnodes": [index[tuple(p)] for p in path]})
     return Records(nodes=pl.DataFrame(nodes), cycles=pl.DataFrame(cycles), meta={}, template=TEMPLATE)
 
 

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ogspo.artifacts.records import Records, path_str, template_index
+from ogspo.artifacts.records import Records, template_index
+from ogspo.engine.tree import Structure
+from ogspo.offline.replay import prefix_lengths, replay_cycles, structure_mask, template_cum_logq
 
 P_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # 0.0 .. 0.95: p_min values tried
 
@@ -56,30 +58,18 @@ def chain_cycles(records: Records) -> ChainCycles:
     """The template's rank-0 chain out of `records` (T = 0 records: `accepted_tnodes` is then the
     greedy-matching path). ValueError when the template has no chain of depth >= 1."""
     index = template_index(records.template)
-    chain_ids, path = [], ()
+    chain, path = [], ()
     while (path := (*path, 0)) in index:
-        chain_ids.append(index[path])
-    if not chain_ids:
+        chain.append(path)
+    if not chain:
         raise ValueError("records template has no drafted node: no chain to replay")
-    K = len(chain_ids)
-    wanted = {path_str((0,) * k): k - 1 for k in range(1, K + 1)}
-    nodes = records.nodes.filter(records.nodes["rank_path"].is_in(list(wanted)))
-    cyc = records.cycles.select("request_id", "cycle", "accepted_tnodes")
-    key = {(r, c): i for i, (r, c) in enumerate(zip(cyc["request_id"].to_list(), cyc["cycle"].to_list()))}
-    q = np.full((len(key), K), np.nan)
-    for rid, c, rp, lq in zip(nodes["request_id"].to_list(), nodes["cycle"].to_list(), nodes["rank_path"].to_list(),
-                              nodes["logq"].to_list()):
-        q[key[(rid, c)], wanted[rp]] = np.exp(lq)
-    if np.isnan(q).any():
-        raise ValueError("records lack a chain node's logq in some cycle (every cycle drafts the whole template)")
-    accepted = np.zeros(len(key), dtype=np.int64)
-    for i, acc in enumerate(cyc["accepted_tnodes"].to_list()):
-        n = 0
-        while n < min(len(acc), K) and acc[n] == chain_ids[n]:
-            n += 1
-        accepted[i] = n
-    groups = np.array([r.split("/", 1)[0] for r in cyc["request_id"].to_list()])
-    return ChainCycles(q=q, accepted=accepted, groups=groups)
+    cum = template_cum_logq(records)[:, [0, *(index[p] for p in chain)]]  # [C, K + 1]
+    if np.isnan(cum).any():
+        raise ValueError("records lack a chain node's log-probability in some cycle (every cycle drafts the whole template)")
+    mask = structure_mask(Structure(chain), records.template)
+    accepted = prefix_lengths(mask[None], replay_cycles(records).paths)[0]  # [C] leading chain nodes accepted
+    groups = np.array([r.split("/", 1)[0] for r in records.cycles["request_id"].to_list()])
+    return ChainCycles(q=np.exp(np.diff(cum, axis=1)), accepted=accepted, groups=groups)
 
 
 @dataclass(frozen=True)

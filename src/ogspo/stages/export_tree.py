@@ -74,27 +74,27 @@ def sglang_nearest(structure: Structure) -> dict:
 
 
 def replayed(structure: Structure, records: list, model: LatencyModel) -> dict:
-    """Tokens/s on `records` (a list of `Records`) of `structure`, of its nearest SGLang tree and of AR."""
+    """Tokens/s on `records` ((`ReplayCycles`, `template_cum_logq`) per records folder) of `structure`,
+    of its nearest SGLang tree and of AR."""
     acc = {"structure": 0.0, "ar": 0.0, "sglang": 0.0}
     sec = dict.fromkeys(acc, 0.0)
     near = sglang_nearest(structure)
     why = None
-    for rec in records:
-        cyc = replay_cycles(rec)
+    for cyc, cum in records:
         for key, s in (("structure", structure), ("ar", Structure([]))):
             r = replay(cycles=cyc, structures=[s], depths=[s.max_depth if len(s) else 0], model=model)
             acc[key] += float(r.accepted.sum())
             sec[key] += float(r.seconds.sum())
         if near.get("speculation") and why is None:
             try:
-                r = replay_dynamic(cycles=cyc, cum_logq=template_cum_logq(rec), total_tokens=len(structure),
+                r = replay_dynamic(cycles=cyc, cum_logq=cum, total_tokens=len(structure),
                                    depth=near["speculative_num_steps"], top_k=near["speculative_eagle_topk"], model=model)
                 acc["sglang"] += float(r.accepted.sum())
                 sec["sglang"] += float(r.seconds.sum())
             except ValueError as exc:
                 why = str(exc)
     out = {"tokens_per_second": acc["structure"] / sec["structure"], "ar_tokens_per_second": acc["ar"] / sec["ar"],
-           "cycles": int(sum(r.cycles.height for r in records))}
+           "cycles": int(sum(len(cyc.paths) for cyc, _ in records))}
     if near.get("speculation"):
         out["sglang_nearest_tokens_per_second"] = None if why else acc["sglang"] / sec["sglang"]
         if why:
@@ -119,7 +119,8 @@ def export_trees(results: Path, tags: list[str]) -> dict:
     for tag in tags:
         doc: dict = {}
         folders = {p.parent.name: p for p in sorted((results / "records").glob(f"*/{tag}")) if p.is_dir()}
-        records = {w: load_records(p) for w, p in folders.items()} if model is not None else {}
+        records = {w: (replay_cycles(rec), template_cum_logq(rec)) for w, rec in
+                   ((w, load_records(p)) for w, p in folders.items())} if model is not None else {}  # read once per tag
 
         def with_replay(entry: dict, s: Structure, workload: str) -> dict:
             recs = [records[workload]] if workload in records else list(records.values())
