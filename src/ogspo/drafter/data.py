@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ast
 import sysconfig
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,8 @@ from tqdm.auto import tqdm
 
 from ogspo.artifacts.prompts import adds_bos, has_chat_template, read_fortunes, render_chat, render_conversation, render_raw
 from ogspo.artifacts.sharegpt import Conversation
-from ogspo.engine.target import TreeLM
+from ogspo.engine.kernels import KernelTable
+from ogspo.engine.target import TreeLM, build_tree_lm, fast_path_refusal
 
 from .corpus import NearDuplicateIndex, TrainText, clean_request, user_turn_prefix
 
@@ -60,6 +62,75 @@ class Sequence:
     top_p: torch.Tensor | None = None  # [n, K] float16 their probabilities
     source: str | None = None  # "generated" / "answered" (the target's own answer to a train prompt / a ShareGPT
     # user turn), "sharegpt" or "stdlib" (text read as it stands)
+
+
+BULK_ROWS = (64, 128, 256, 512)  # rows of the causal forwards timed for reading text (the generation batch is added)
+BULK_MARGIN = 0.10  # the table's kernels are kept unless the reference kernels are this much cheaper per token
+
+
+@dataclass
+class BulkPlan:
+    """How the target runs while it builds the head's data, measured on the device (`plan_bulk`).
+
+    Decoding needs the kernel table's batch-invariant kernels (a row's bits must not depend on the
+    tree size); the head's data does not: it is read and written in forwards of 64-512 rows, where
+    torch's reference kernels (oneDNN, AMX where the CPU has it) can be several times faster than
+    the native ones the table picks for trees (Intel Xeon with AMX, bf16: 1,050-1,400 against
+    380-440 tokens/s of reading text). Either gives the target's features and distributions to
+    bf16 rounding, so the faster one builds the data; the data's bits then depend on that choice,
+    and the cache keeps the first build's."""
+    read: KernelTable | None  # kernels of the passes over text (None: torch's reference kernels)
+    read_rows: int  # rows per forward over text
+    write: KernelTable | None  # kernels of the batched generation
+    us_per_token: dict[str, float] = field(default_factory=dict)  # "table@64", "reference@512", ...: median causal forward
+
+    def describe(self) -> dict:
+        name = lambda t: "reference" if t is None else "table"  # noqa: E731
+        return {"read": name(self.read), "read_rows": self.read_rows, "write": name(self.write),
+                "us_per_token": {k: round(v, 1) for k, v in self.us_per_token.items()}}
+
+
+def plan_bulk(model, kernels: KernelTable | None, *, feature_layers, write_rows: int, read_rows: int | None = None,
+              reps: int = 3, margin: float = BULK_MARGIN) -> BulkPlan:
+    """Time causal forwards of `BULK_ROWS` rows (and `write_rows`, the generation batch) through the
+    target with the device's kernel table and with torch's reference kernels, interleaved, after one
+    warm-up round; read text at the (kernels, rows) cheapest per token (`read_rows` if given) and
+    generate with the kernels cheaper at `write_rows` rows. The table wins within `margin`. A target
+    without the Llama backend (or without a table) has one way to run: nothing is timed."""
+    if kernels is None or fast_path_refusal(model.config) is not None:
+        fixed_rows = read_rows or (kernels.cheapest_rows(64) if kernels is not None else max(BULK_ROWS))
+        return BulkPlan(read=kernels, read_rows=fixed_rows, write=kernels)
+    rows = sorted({*(BULK_ROWS if read_rows is None else (read_rows,)), write_rows})
+    lms = {name: build_tree_lm(model, max_len=max(rows), feature_layers=feature_layers, kernels=table)
+           for name, table in (("table", kernels), ("reference", None))}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vocab = model.config.vocab_size
+    times: dict[tuple[str, int], list[float]] = {(n, m): [] for n in lms for m in rows}
+    cells = list(times)
+    with torch.inference_mode():
+        for r in range(reps + 1):
+            for i in torch.randperm(len(cells), generator=g).tolist():
+                name, m = cells[i]
+                lm = lms[name]
+                tokens = torch.randint(vocab, (m,), generator=g).to(lm.device)
+                lm.cache.reset()
+                t0 = time.perf_counter()
+                lm.forward(tokens, torch.arange(m, device=lm.device), None)
+                if r:
+                    times[cells[i]].append((time.perf_counter() - t0) * 1e6 / m)
+                lm.cache.reset()
+    us = {cell: float(np.median(v)) for cell, v in times.items()}
+
+    def best(candidates: list[tuple[str, int]]) -> tuple[str, int]:
+        fastest = min(candidates, key=us.get)
+        table = min((c for c in candidates if c[0] == "table"), key=us.get)
+        return table if us[table] <= (1 + margin) * us[fastest] else fastest
+
+    read_name, read_at = best([c for c in cells if read_rows is None or c[1] == read_rows])
+    write_name, _ = best([c for c in cells if c[1] == write_rows])
+    table_of = {"table": kernels, "reference": None}
+    return BulkPlan(read=table_of[read_name], read_rows=read_at, write=table_of[write_name],
+                    us_per_token={f"{n}@{m}": v for (n, m), v in us.items()})
 
 
 def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[TrainText]:

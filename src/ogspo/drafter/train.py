@@ -30,16 +30,18 @@ from ogspo.artifacts.settings import settings
 from ogspo.artifacts.sharegpt import read_sharegpt
 from ogspo.engine.kernels import KernelTable
 from ogspo.engine.native import cache_root
-from ogspo.engine.target import LlamaTreeLM, build_tree_lm, fast_path_refusal
+from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm, fast_path_refusal
 
 from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
 from .data import (
+    BulkPlan,
     Sequence,
     annotate_text,
     corpus_prompts,
     draft_vocabulary,
     generate_annotated,
     generate_batched,
+    plan_bulk,
     self_instructions,
     sharegpt_texts,
     stdlib_sequences,
@@ -84,7 +86,8 @@ def data_cache_dir(cfg: dict) -> Path:
 class DataStats:
     """How the training data was built: prompts and texts by source, what decontamination dropped,
     and this device's rates (0 where the cache had it): tokens the target wrote per second
-    (generation) and tokens it read per second (annotation of text, `annotate_rows` rows a forward)."""
+    (generation) and tokens it read per second (annotation of text, `annotate_rows` rows a forward),
+    on the kernels `plan_bulk` measured cheaper for each."""
     prompts: dict[str, int]
     near_held_out: int  # prompts dropped as near-duplicates of an eval or calib prompt
     repeats: int  # prompts dropped as near-duplicates of an earlier training prompt
@@ -96,7 +99,8 @@ class DataStats:
     generation_tokens_per_second: float
     annotation_seconds: float
     annotation_tokens_per_second: float
-    annotate_rows: int
+    annotate_rows: int  # 0 where nothing was read here (all cached)
+    bulk: dict  # the kernels that wrote and read the data, and their timings (`BulkPlan.describe`; empty where cached)
     sharegpt: dict  # what the ShareGPT file held and what was picked or dropped
     skipped: list[str]  # parts of the recipe this target cannot run, and why
     cached: bool
@@ -131,15 +135,23 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     (workload train splits, ShareGPT user turns, corpora, its own requests), then text read as it
     stands (ShareGPT conversations, standard-library source). Every prompt and text near an eval or
     calib prompt of any workload is dropped first. Built once per content hash in `data_cache_dir(cfg)`;
-    the target runs on the engine with the device's kernel table (`kernels`)."""
+    the target runs on the engine, with the device's kernel table (`kernels`) or torch's reference
+    kernels, whichever `plan_bulk` measures cheaper for writing and for reading."""
     cache = data_cache_dir(cfg)
-    lm = None
+    lms: dict[int, TreeLM] = {}  # by id of the kernel table it runs (None: the reference kernels)
     cfg, skipped = recipe_for_target(cfg, model.config)
+    bulk: BulkPlan | None = None
 
-    def target_lm(rows: int):
-        nonlocal lm
+    def target_lm(rows: int, writes: bool):
+        """The target on the kernels `plan_bulk` measured cheaper for writing (generation) or reading text."""
+        nonlocal bulk
+        if bulk is None:
+            bulk = plan_bulk(model, kernels, feature_layers=head_cfg.feature_layers, write_rows=cfg["gen_batch"],
+                             read_rows=cfg["annotate_rows"])
+        table = bulk.write if writes else bulk.read
+        lm = lms.get(id(table))
         if lm is None or lm.cache.max_len < rows:
-            lm = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers, kernels=kernels)
+            lm = lms[id(table)] = build_tree_lm(model, max_len=rows, feature_layers=head_cfg.feature_layers, kernels=table)
         return lm
 
     texts = train_prompts(workloads_dir=workloads_dir, tokenizer=tokenizer, chat_variants=cfg["chat_variants"],
@@ -163,7 +175,7 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     if cfg["self_instruct"]:
         key = _hash({"v": 1, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"], "seed": seed})
         requests, _ = _cached(cache / f"requests-{key}.pt", lambda: self_instructions(
-            target_lm(512), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"], batch=cfg["gen_batch"],
+            target_lm(512, writes=True), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"], batch=cfg["gen_batch"],
             seed=seed + 1000))
         texts += [TrainText("self-instruct", r, render_chat(tokenizer, r)) for r in requests]
     texts, near_held, repeats = decontaminate(texts, held_out)
@@ -175,7 +187,7 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
 
     def generate():
         rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
-        lm = target_lm(rows)
+        lm = target_lm(rows, writes=True)
         kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
         if not isinstance(lm, LlamaTreeLM):
             return generate_annotated(lm, prompts, pack=cfg["gen_batch"], **kw)
@@ -192,7 +204,11 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     text_ids = [tokenizer(t.prompt, add_special_tokens=False).input_ids[: sg["max_tokens"]] for t in sg_texts]
     text_ids += stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
                                  held_out=NearDuplicateIndex(held_out))
-    rows = cfg["annotate_rows"] or (kernels.cheapest_rows(64) if kernels is not None else 512)
+
+    def read_text(block: list[list[int]]) -> list[Sequence]:
+        lm = target_lm(max(len(s) for s in block), writes=False)  # plans the bulk forwards first
+        return annotate_text(lm, block, top_k=cfg["top_k"], rows=bulk.read_rows)
+
     t0 = time.perf_counter()
     annotated, ann_built = [], 0
     n_sg = len(sg_texts)  # ShareGPT blocks, then standard-library blocks: a larger sample reuses a smaller one's blocks
@@ -201,8 +217,7 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     for a, b in bounds:
         block = text_ids[a:b]
         key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"], "ids": _hash(block)})
-        part, was_cached = _cached(cache / f"text-{key}.pt", lambda: annotate_text(
-            target_lm(max(len(s) for s in block)), block, top_k=cfg["top_k"], rows=rows))
+        part, was_cached = _cached(cache / f"text-{key}.pt", lambda: read_text(block))
         annotated += part
         ann_built += 0 if was_cached else sum(len(s) for s in block)
     ann_s = time.perf_counter() - t0
@@ -223,7 +238,7 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
                       generation_tokens_per_second=0.0 if gen_cached or not generated else generated / gen_s,
                       annotation_seconds=ann_s if ann_built else 0.0,
                       annotation_tokens_per_second=ann_built / ann_s if ann_built else 0.0,
-                      annotate_rows=rows, sharegpt=sg_info, skipped=skipped, cached=gen_cached and not ann_built)
+                      annotate_rows=bulk.read_rows if bulk else 0, bulk=bulk.describe() if bulk else {}, sharegpt=sg_info, skipped=skipped, cached=gen_cached and not ann_built)
     return seqs, stats
 
 
