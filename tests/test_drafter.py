@@ -349,3 +349,33 @@ def test_the_lm_head_rows_train_only_when_asked():
     assert "lm_rows" not in dict(frozen.named_parameters()) and "lm_rows" in dict(trained.named_parameters())
     assert frozen.state_dict().keys() == trained.state_dict().keys()  # one folder format for both
     frozen.load_state_dict(trained.state_dict(), strict=True)
+
+
+def test_the_head_data_runs_on_the_kernels_measured_cheaper():
+    """`choose_bulk` reads text at the (kernels, rows) cheapest per token and writes on the kernels
+    cheaper at the generation batch, keeping the table within the margin; `plan_bulk` times both
+    ways on a Llama target with a table (every cell), and times nothing without one."""
+    from ogspo.drafter.data import BULK_ROWS, choose_bulk, plan_bulk
+    from ogspo.engine import kernels as K
+
+    table = K.KernelTable(key=K.device_key("cpu", torch.float32), shapes={}, rows=[1], choice={}, pad_to={})
+    us = {"table@64": 2500.0, "table@512": 2800.0, "reference@64": 1550.0, "reference@512": 1000.0}
+    plan = choose_bulk(us, table, write_rows=64, read_rows=None)
+    assert (plan.read, plan.read_rows, plan.write) == (None, 512, None)
+    assert plan.describe()["read"] == "reference" and plan.describe()["us_per_token"] == us
+    close = {"table@64": 1050.0, "table@512": 1090.0, "reference@64": 1000.0, "reference@512": 1020.0}
+    plan = choose_bulk(close, table, write_rows=64, read_rows=None)  # within 10%: decoding's own kernels
+    assert plan.read is table and plan.write is table and plan.read_rows == 64
+    plan = choose_bulk(us, table, write_rows=64, read_rows=64)  # annotate_rows set: only that width reads
+    assert (plan.read, plan.read_rows) == (None, 64)
+
+    model = tiny_model(2, vocab=64, layers=2).float()
+    lm = build_tree_lm(model, max_len=8)
+    shapes = {c: list(m.weights[0].w.shape) for c, m in lm.mm.items()}
+    table = K.KernelTable(key=K.device_key("cpu", torch.float32), shapes=shapes, rows=[1, 64],
+                          choice={c: ["matmul_t", "matmul_t"] for c in K.CLASSES}, pad_to={c: [1, 64] for c in K.CLASSES})
+    plan = plan_bulk(model, table, feature_layers=(0,), write_rows=48, reps=1)
+    assert set(plan.us_per_token) == {f"{k}@{m}" for k in ("table", "reference") for m in (*BULK_ROWS, 48)}
+    assert plan.read_rows in BULK_ROWS and all(v > 0 for v in plan.us_per_token.values())
+    none = plan_bulk(model, None, feature_layers=(0,), write_rows=48)
+    assert none.read is None and none.write is None and none.us_per_token == {} and none.read_rows == max(BULK_ROWS)

@@ -119,18 +119,28 @@ def plan_bulk(model, kernels: KernelTable | None, *, feature_layers, write_rows:
                 if r:
                     times[cells[i]].append((time.perf_counter() - t0) * 1e6 / m)
                 lm.cache.reset()
-    us = {cell: float(np.median(v)) for cell, v in times.items()}
+    us = {f"{n}@{m}": float(np.median(v)) for (n, m), v in times.items()}
+    return choose_bulk(us, kernels, write_rows=write_rows, read_rows=read_rows, margin=margin)
+
+
+def choose_bulk(us_per_token: dict[str, float], kernels: KernelTable, *, write_rows: int, read_rows: int | None,
+                margin: float = BULK_MARGIN) -> BulkPlan:
+    """The plan from timings {"table@64": us per token, "reference@64": ..., ...}: text is read at
+    the (kernels, rows) cheapest per token (rows `read_rows` if given), generation runs on the kernels
+    cheaper at `write_rows`; the table's kernels are kept unless the reference is cheaper by more than
+    `margin` (they give decoding's exact numbers)."""
+    cells = [(name, int(m)) for name, m in (k.split("@") for k in us_per_token)]
+    t = {c: us_per_token[f"{c[0]}@{c[1]}"] for c in cells}
 
     def best(candidates: list[tuple[str, int]]) -> tuple[str, int]:
-        fastest = min(candidates, key=us.get)
-        table = min((c for c in candidates if c[0] == "table"), key=us.get)
-        return table if us[table] <= (1 + margin) * us[fastest] else fastest
+        fastest = min(candidates, key=t.get)
+        table = min((c for c in candidates if c[0] == "table"), key=t.get)
+        return table if t[table] <= (1 + margin) * t[fastest] else fastest
 
     read_name, read_at = best([c for c in cells if read_rows is None or c[1] == read_rows])
     write_name, _ = best([c for c in cells if c[1] == write_rows])
     table_of = {"table": kernels, "reference": None}
-    return BulkPlan(read=table_of[read_name], read_rows=read_at, write=table_of[write_name],
-                    us_per_token={f"{n}@{m}": v for (n, m), v in us.items()})
+    return BulkPlan(read=table_of[read_name], read_rows=read_at, write=table_of[write_name], us_per_token=dict(us_per_token))
 
 
 def train_prompts(*, workloads_dir: Path, tokenizer, chat_variants: bool, max_per_workload: int | None) -> list[TrainText]:

@@ -531,7 +531,8 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
         if d:
             made = "read from the cache" if d["cached"] else (
                 f"{d['generation_tokens_per_second']:.0f} tokens/s of generation, {d['annotation_tokens_per_second']:.0f} "
-                f"tokens/s of reading text at {d['annotate_rows']} rows")
+                f"tokens/s of reading text at {d['annotate_rows']} rows"
+                + (f", on the {d['bulk']['write']} / {d['bulk']['read']} kernels" if d.get("bulk") else ""))
             text += (f"; {m['train_tokens']} training tokens ({d['generated_tokens']} written by the target, "
                      f"{d['annotated_tokens']} read as text, "
                      f"{d['self_instructions']} self-written requests, {d['near_held_out']} prompts dropped as near an "
