@@ -347,6 +347,20 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
     assert [p.name for p in r2.plots] == ["throughput.png"] and len(r2.missing) == 3
 
 
+def test_the_throughput_plot_reads_speedups_and_falls_back_to_tokens_per_second(tmp_path):
+    from ogspo.stages.report import plot_throughput
+
+    def row(m, w, t, v, paired):
+        return {"method": m, "workload": w, "temperature": t, "throughput": 50 * v, "throughput_q25": 45 * v,
+                "throughput_q75": 55 * v, "speedup_gm": {"ratio": v, "low": v - 0.1, "high": v + 0.1, "n": 4} if paired else None}
+
+    for paired in (True, False):  # paired ratios over AR where AR ran; else the median tokens/s and IQR
+        rows = [row(m, w, t, 1.0 + 0.1 * i, paired and m != "ar") for i, m in enumerate(("ar", "eagle", "ogspo"))
+                for w in ("alpha", "beta") for t in (0.0, 1.0)]
+        png = plot_throughput(rows, tmp_path / f"tp-{paired}.png")
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_report_refuses_a_bad_requests_table(tmp_path):
     from ogspo.cli import main
 

@@ -2,7 +2,7 @@
 
 `results/{device}/report/` gets `summary.json` (one row per method x workload x temperature,
 recomputed from `evaluate/requests.parquet` with `ogspo.stages.summary.summarize_requests`), `report.md`
-and PNG plots (matplotlib Agg): throughput by method and workload, the latency model fit, OGSPO
+and PNG plots (matplotlib Agg): each method's speedup over autoregressive decoding per workload, the latency model fit, OGSPO
 rounds (when `rounds/T*/rounds.parquet` exist), acceptance by depth from the records summary and
 the chosen OGSPO structure drawn as a tree. Inputs that are absent leave their plot out; report.md
 says which.
@@ -107,31 +107,49 @@ def _save(fig, path: Path, dpi: int = 80) -> Path:
 
 
 def plot_throughput(rows: list[dict], path: Path) -> Path:
-    """Median complete-request throughput (IQR bars) by workload, one bar per method, one panel per T."""
+    """Each method's speedup over autoregressive decoding, one panel per T: a row per method, a dot per
+    workload at the geometric mean of its paired per-request ratios with the 95% interval as a bar,
+    a line at 1. Without autoregressive requests to pair with, the median tokens/s with its IQR."""
     plt = _plt()
+    paired = any(r.get("speedup_gm") for r in rows)
+    if paired:
+        rows = [r for r in rows if r["method"] != REFERENCE and r.get("speedup_gm")]
     temps = sorted({r["temperature"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, axes = plt.subplots(1, len(temps), figsize=(max(5.0, 1.2 * len(workloads) * len(methods) / 3) * len(temps), 3.8),
-                             squeeze=False)
-    width = 0.8 / max(len(methods), 1)
+
+    def point(r: dict) -> tuple[float, float, float]:  # value, low, high
+        if paired:
+            g = r["speedup_gm"]
+            return g["ratio"], g["low"], g["high"]
+        return r["throughput"], r["throughput_q25"], r["throughput_q75"]
+
+    height = 0.9 + 0.32 * max(len(methods), 1) * (1 + 0.25 * len(workloads))
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.6 * len(temps), height), sharey=True, squeeze=False)
+    step = 0.7 / max(len(workloads), 1)
     for ax, t in zip(axes[0], temps):
-        for i, m in enumerate(methods):
-            xs, ys, lo, hi = [], [], [], []
-            for j, w in enumerate(workloads):
+        for j, w in enumerate(workloads):
+            ys, xs, lo, hi = [], [], [], []
+            for i, m in enumerate(methods):
                 r = next((r for r in rows if r["temperature"] == t and r["workload"] == w and r["method"] == m), None)
                 if r is None:
                     continue
-                xs.append(j + (i - (len(methods) - 1) / 2) * width)
-                ys.append(r["throughput"])
-                lo.append(r["throughput"] - r["throughput_q25"])
-                hi.append(r["throughput_q75"] - r["throughput"])
-            ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=m, color=f"C{i % 10}")
-        ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_ylabel("tokens/s (median, IQR)")
-        ax.set_title(f"complete-request throughput, T={t:g}", fontsize=9)
-    axes[0][-1].legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+                v, low, high = point(r)
+                ys.append(i + (j - (len(workloads) - 1) / 2) * step)
+                xs.append(v)
+                lo.append(max(v - low, 0.0))
+                hi.append(max(high - v, 0.0))
+            ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=4, capsize=2, color=f"C{j % 10}", label=w)
+        if paired:
+            ax.axvline(1.0, color="0.4", lw=1, ls="--")
+        ax.set_yticks(range(len(methods)), methods)
+        ax.set_ylim(len(methods) - 0.5, -0.5)
+        ax.grid(axis="x", color="0.9")
+        ax.set_xlabel("speedup over autoregressive (paired, 95% interval)" if paired else "tokens/s (median, IQR)",
+                      fontsize=8)
+        ax.set_title(f"T={t:g}", fontsize=9)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    return _save(fig, path, dpi=100)
 
 
 def plot_latency(latency_path: Path, path: Path) -> Path:
