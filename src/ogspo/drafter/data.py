@@ -129,8 +129,8 @@ def choose_bulk(us_per_token: dict[str, float], kernels: KernelTable, *, write_r
     the (kernels, rows) cheapest per token (rows `read_rows` if given), generation runs on the kernels
     cheaper at `write_rows`; the table's kernels are kept unless the reference is cheaper by more than
     `margin` (they give decoding's exact numbers)."""
-    cells = [(name, int(m)) for name, m in (k.split("@") for k in us_per_token)]
-    t = {c: us_per_token[f"{c[0]}@{c[1]}"] for c in cells}
+    t = {(name, int(m)): v for k, v in us_per_token.items() for name, m in [k.split("@")]}
+    cells = list(t)
 
     def best(candidates: list[tuple[str, int]]) -> tuple[str, int]:
         fastest = min(candidates, key=t.get)

@@ -117,6 +117,7 @@ def plot_throughput(rows: list[dict], path: Path) -> Path:
     temps = sorted({r["temperature"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    cell = {(r["temperature"], r["workload"], r["method"]): r for r in rows}
 
     def point(r: dict) -> tuple[float, float, float]:  # value, low, high
         if paired:
@@ -131,7 +132,7 @@ def plot_throughput(rows: list[dict], path: Path) -> Path:
         for j, w in enumerate(workloads):
             ys, xs, lo, hi = [], [], [], []
             for i, m in enumerate(methods):
-                r = next((r for r in rows if r["temperature"] == t and r["workload"] == w and r["method"] == m), None)
+                r = cell.get((t, w, m))
                 if r is None:
                     continue
                 v, low, high = point(r)
