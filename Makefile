@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	# Debian's fortunes (a workload): installed when we are root; otherwise say how to run without it
 	test -d $(FORTUNES) || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq fortunes; } || \
 	  echo "note: no $(FORTUNES) and not root: install Debian's fortunes (apt-get install fortunes, as root), or run the" \
-	       "other workloads with a config file holding  workloads: {fortunes: null}  drafter: {extra_fortunes: 0}" >&2
+	       "other workloads with a config file holding  workloads: {fortunes: null}  drafter: {extra_fortunes: 0, fortune_tokens: 0}" >&2
 	touch $@
 
 setup-gpu: setup

@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--budgets", type=int, nargs="*", default=[25_000, 50_000, 100_000, 0],
                     help="training tokens of each head trained here (0 = all; none: only measure the --head heads)")
     ap.add_argument("--head", action="append", default=[], help="NAME=DIR: another trained head measured beside them")
-    ap.add_argument("--exclude", nargs="*", default=[], choices=["generated", "answered", "sharegpt", "stdlib"],
+    ap.add_argument("--exclude", nargs="*", default=[], choices=["generated", "answered", "sharegpt", "stdlib", "fortunes"],
                     help="leave the data of these sources out before the budgets are cut (a mix without ShareGPT, say)")
     ap.add_argument("--prompts", type=int, default=12, help="eval prompts per workload")
     ap.add_argument("--tokens", type=int, default=128)
@@ -85,7 +85,7 @@ def main() -> int:
     rows = []
     for budget in args.budgets:
         subset = prefix_by_tokens(seqs, budget, seed=0)
-        label = f"{sum(len(s.tokens) for s in subset) // 1000}k" + "".join(f" w/o {x}" for x in args.exclude)
+        label = f"{sum(len(s.tokens) for s in subset) // 1000}k" + "".join(f" without {x}" for x in args.exclude)
         with tempfile.TemporaryDirectory() as work:
             r = train_head(model=model, tokenizer=tok, target_checksum=checksum, seqs=subset, cfg=cfg, seed=0,
                            out_dir=args.out / f"head-{label}".replace(" ", "-"), work_dir=Path(work))
@@ -127,6 +127,10 @@ def main() -> int:
         else:
             lines.append(f"| {name} | {r.train_tokens} | {r.steps} | {r.train_seconds / 60:.1f} | "
                          f"{'/'.join(f'{a:.3f}' for a in r.val_top1)} | {fig} |")
+    # the target's own bound on a point-mass first token, averaged over the heads' paths (1 at T = 0)
+    ceil = [np.mean([acc[(name, w, t)].first_token_ceiling for name in heads]) for w, t in cells]
+    lines.append("| first-token ceiling (the target's mean largest probability) | - | - | - | - | "
+                 + " | ".join(f"{c:.3f}" for c in ceil) + " |")
     lines += ["", "Acceptance by depth (P(depth d accepted | d-1 reached)) of each head:", "",
               "| head | " + " | ".join(f"{w} T={t:g}" for w, t in cells) + " |", "|---|" + "---|" * len(cells)]
     for name in heads:

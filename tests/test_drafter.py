@@ -184,6 +184,37 @@ def test_corpus_prompts_skip_workload_prompts(tmp_path):
         corpus_prompts(workloads_dir=wl, fortunes_dir=None, tokenizer=tok, fortunes=1, functions=0, seed=0)
 
 
+def test_fortunes_read_as_text_skip_workload_and_near_held_out_fortunes(tmp_path):
+    """Whole fortunes for the target to read: none a workload selected, none near an eval or calib prompt,
+    each whole on one line, packed with a blank line between them into chunks of at most seq_len tokens."""
+    import polars as pl
+
+    from ogspo.drafter.corpus import NearDuplicateIndex
+    from ogspo.drafter.data import fortune_sequences
+
+    fdir = tmp_path / "fortunes"
+    fdir.mkdir()
+    animals = ["cat", "dog", "owl", "fox", "eel", "yak"]
+    sayings = ["sleeps all day long", "barks at the mailman", "hoots before dawn", "steals the hens at night",
+               "hides under wet rocks", "climbs steep mountain paths"]
+    entries = [f"The {a} {b}.\nWho would have {a}ly guessed it." for a, b in zip(animals, sayings)]
+    (fdir / "wisdom").write_text("\n%\n".join(entries) + "\n")
+    wl = tmp_path / "workloads"
+    wl.mkdir()
+    pl.DataFrame({"prompt_id": ["fortunes/wisdom/0", "fortunes/wisdom/3"]}).write_parquet(wl / "fortunes.parquet")
+    held = NearDuplicateIndex(["The eel hides under wet rocks."])  # an eval prompt cut from fortune 4
+    tok = _CharTokenizer()
+    one = max(len(e) for e in entries)
+    seqs = fortune_sequences(fortunes_dir=fdir, workloads_dir=wl, tokenizer=tok, max_tokens=10**6, seq_len=2 * one + 2,
+                             seed=0, held_out=held)
+    text = "\n\n".join(bytes(s).decode() for s in seqs)
+    assert sorted(a for a in animals if f"The {a} " in text) == ["dog", "owl", "yak"]
+    assert all(len(s) <= 2 * one + 2 for s in seqs) and len(seqs) == 2  # two fortunes fit a chunk, the third starts one
+    assert "night. Who would" in text or "paths. Who would" in text  # one line each: spacing flattened like the workload's prompts
+    assert fortune_sequences(fortunes_dir=fdir, workloads_dir=wl, tokenizer=tok, max_tokens=0, seq_len=64, seed=0,
+                             held_out=held) == []
+
+
 def test_near_duplicates_of_held_out_prompts_are_dropped():
     """A copy of an eval prompt, one with a few words changed, and one quoted inside a longer request are
     dropped; a repeat of an earlier training text is dropped once; unrelated texts are kept."""
@@ -379,3 +410,33 @@ def test_the_head_data_runs_on_the_kernels_measured_cheaper():
     assert plan.read_rows in BULK_ROWS and all(v > 0 for v in plan.us_per_token.values())
     none = plan_bulk(model, None, feature_layers=(0,), write_rows=48)
     assert none.read is None and none.write is None and none.us_per_token == {} and none.read_rows == max(BULK_ROWS)
+
+
+def test_the_compiled_training_objective_equals_the_eager_one_at_every_batch_shape():
+    """`compile_objective` (torch.compile, the batch's rows and positions dynamic) gives the eager TTT loss and
+    gradients on batches of two shapes; `choose_compile` compiles only where the eager run would be long."""
+    from ogspo.drafter.train import COMPILE_MIN_SECONDS, choose_compile, compile_objective, ttt_objective
+    model = tiny_model(7, vocab=64, layers=4).float()
+    head = make_head(model).train()
+    c = head.cfg
+    gen = torch.Generator().manual_seed(0)
+    objective = compile_objective(3, 0.7, torch.float32)
+    for B, T in [(2, 24), (3, 17)]:
+        tp = torch.rand(B, T, 4, generator=gen)
+        batch = (torch.randn(B, T, 3 * c.hidden, generator=gen), torch.randint(0, c.vocab, (B, T), generator=gen),
+                 torch.randint(0, c.draft_vocab, (B, T, 4), generator=gen), tp / tp.sum(-1, keepdim=True),
+                 torch.rand(B, T, generator=gen) > 0.1, torch.randint(0, c.vocab, (B, T), generator=gen))
+        grads = []
+        for run in (lambda: ttt_objective(head, batch, 3, 0.7, torch.float32)[:2], lambda: objective(head, batch)):
+            head.zero_grad(set_to_none=True)
+            loss, losses = run()
+            loss.backward()
+            grads.append((loss.detach(), losses, [p.grad.clone() for p in head.parameters() if p.requires_grad]))
+        (l0, s0, g0), (l1, s1, g1) = grads
+        torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s1, s0, atol=1e-5, rtol=1e-5)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert choose_compile("auto", steps=1000, step_seconds=COMPILE_MIN_SECONDS / 999)
+    assert not choose_compile("auto", steps=10, step_seconds=1.0)
+    assert choose_compile(True, steps=1, step_seconds=0.0) and not choose_compile(False, steps=10**6, step_seconds=1.0)

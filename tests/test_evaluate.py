@@ -302,7 +302,7 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
              "tokens": 10, "accept_by_depth": []}]
     for head, acc, tau in (("base", [0.4, 0.3], 1.6), ("gto", [0.5, 0.35], 1.9)):
         figs += [{"workload": "alpha", "temperature": 0.0, "method": "chain2", "head": head, "tau": 1.5, "throughput": 31.0,
-                  "speedup": 1.03, "tokens": 10, "accept_by_depth": acc},
+                  "speedup": 1.03, "tokens": 10, "accept_by_depth": acc, "first_token_ceiling": 1.0},
                  {"workload": "alpha", "temperature": 0.0, "method": "eagle8-3-2", "head": head, "tau": tau, "throughput": 33.0,
                   "speedup": 1.1, "tokens": 10, "accept_by_depth": []}]
         (tmp_path / head).mkdir()
@@ -339,8 +339,8 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
     assert "absent.parquet not found" in md and any("absent.parquet" in m for m in r.missing)
     assert "What limits it" in md and "T1: the OGSPO structure has 0 nodes" in md
     # both heads side by side, with GTO's reward before and after
-    assert "| alpha | 0 | base | 0.40, 0.30 | eagle8-3-2 | 1.60 | 1.10x |" in md
-    assert "| alpha | 0 | gto | 0.50, 0.35 | eagle8-3-2 | 1.90 | 1.10x |" in md
+    assert "| alpha | 0 | base | 0.40, 0.30 | 1.000 | eagle8-3-2 | 1.60 | 1.10x |" in md
+    assert "| alpha | 0 | gto | 0.50, 0.35 | 1.000 | eagle8-3-2 | 1.90 | 1.10x |" in md
     assert "Draft Tree Reward 2.500 -> 2.750" in md
     # without rounds tables at all, the plot is left out and said so
     r2 = write_report(evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=tmp_path / "r2")

@@ -199,20 +199,24 @@ def fortune_prefix(entry: str) -> str | None:
     return prefix if len(words) >= 8 and len(prefix) >= 20 else None
 
 
-def read_fortunes(folder: Path) -> list[RawPrompt]:
-    """All usable fortunes in a folder of fortune files (files without an extension)."""
+def fortune_entries(folder: Path) -> list[tuple[str, str]]:
+    """(prompt id, entry) of every fortune in a folder of fortune files (files without an extension),
+    ids as the fortunes workload names its prompts."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"fortunes folder {folder} does not exist (apt-get install fortunes)")
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and "." not in p.name)
+    return [(f"fortunes/{f.name}/{i}", entry) for f in files if f.name not in FORTUNE_SKIP_FILES
+            for i, entry in enumerate(parse_fortunes(f.read_text(encoding="utf-8", errors="replace")))]
+
+
+def read_fortunes(folder: Path) -> list[RawPrompt]:
+    """All usable fortunes in a folder of fortune files, each as its continuation prompt."""
     out = []
-    for f in files:
-        if f.name in FORTUNE_SKIP_FILES:
-            continue
-        for i, entry in enumerate(parse_fortunes(f.read_text(encoding="utf-8", errors="replace"))):
-            prefix = fortune_prefix(entry)
-            if prefix is not None:
-                out.append(RawPrompt(f"fortunes/{f.name}/{i}", f.name, prefix, chat=False))
+    for pid, entry in fortune_entries(folder):
+        prefix = fortune_prefix(entry)
+        if prefix is not None:
+            out.append(RawPrompt(pid, pid.split("/")[1], prefix, chat=False))
     if not out:
         raise ValueError(f"no usable fortunes in {folder}")
     return out

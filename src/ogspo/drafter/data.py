@@ -17,7 +17,15 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from ogspo.artifacts.prompts import adds_bos, has_chat_template, read_fortunes, render_chat, render_conversation, render_raw
+from ogspo.artifacts.prompts import (
+    adds_bos,
+    fortune_entries,
+    has_chat_template,
+    read_fortunes,
+    render_chat,
+    render_conversation,
+    render_raw,
+)
 from ogspo.artifacts.sharegpt import Conversation
 from ogspo.engine.kernels import KernelTable
 from ogspo.engine.target import TreeLM, build_tree_lm, fast_path_refusal
@@ -61,7 +69,7 @@ class Sequence:
     top_ids: torch.Tensor | None = None  # [n, K] int32 target top-K ids of the next token
     top_p: torch.Tensor | None = None  # [n, K] float16 their probabilities
     source: str | None = None  # "generated" / "answered" (the target's own answer to a train prompt / a ShareGPT
-    # user turn), "sharegpt" or "stdlib" (text read as it stands)
+    # user turn), "sharegpt", "stdlib" or "fortunes" (text read as it stands)
 
 
 BULK_ROWS = (64, 128, 256, 512)  # rows of the causal forwards timed for reading text (the generation batch is added)
@@ -185,6 +193,45 @@ def stdlib_sequences(*, tokenizer, max_tokens: int, seq_len: int, seed: int, hel
     return out
 
 
+def workload_prompt_ids(workloads_dir: Path) -> set[str]:
+    """The prompt id of every prompt the workloads selected, in any split."""
+    used: set[str] = set()
+    for path in Path(workloads_dir).glob("*.parquet"):
+        used |= set(pl.read_parquet(path, columns=["prompt_id"])["prompt_id"].to_list())
+    return used
+
+
+def fortune_sequences(*, fortunes_dir: Path, workloads_dir: Path, tokenizer, max_tokens: int, seq_len: int, seed: int,
+                      held_out: NearDuplicateIndex) -> list[list[int]]:
+    """Whole fortunes the workloads did not select, as text for the target to read: a seeded sample, each
+    fortune on one line (spacing flattened, as the workload's prompts), packed behind one another with a
+    blank line between them into chunks of up to `seq_len` tokens, up to `max_tokens`. A fortune near a
+    held-out prompt (`held_out`) is left out. What the fortunes workload decodes at T=1 is text of this kind,
+    and reading it costs a prefill, not the generation a continuation prompt costs."""
+    if max_tokens <= 0:
+        return []
+    used = workload_prompt_ids(workloads_dir)
+    pool = [" ".join(entry.split()) for pid, entry in fortune_entries(Path(fortunes_dir)) if pid not in used]
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+    sep = tokenizer("\n\n", add_special_tokens=False).input_ids
+    out, cur, total = [], list(bos), 0
+    for i in np.random.default_rng(seed).permutation(len(pool)):
+        if held_out.near(pool[i]):
+            continue
+        ids = tokenizer(pool[i], add_special_tokens=False).input_ids
+        piece = (sep if len(cur) > len(bos) else []) + ids
+        if len(cur) + len(piece) > seq_len and len(cur) > len(bos):
+            out.append(cur)
+            total += len(cur)
+            if total >= max_tokens:
+                return out
+            cur, piece = list(bos), ids
+        cur += piece[: seq_len - len(cur)]
+    if len(cur) > len(bos):
+        out.append(cur)
+    return out
+
+
 def stdlib_functions(*, max_functions: int, seed: int, max_chars: int = 1200) -> list[tuple[str, str, str]]:
     """(name, first docstring paragraph, source through the docstring) of documented top-level functions
     of the Python standard library: HumanEval-shaped code prompts. A seeded sample, in file order."""
@@ -223,9 +270,7 @@ def corpus_prompts(*, workloads_dir: Path, fortunes_dir: Path | None, tokenizer,
     if fortunes > 0:
         if fortunes_dir is None:
             raise ValueError("extra_fortunes needs workloads.fortunes.dir (the fortunes folder)")
-        used = set()
-        for path in Path(workloads_dir).glob("*.parquet"):
-            used |= set(pl.read_parquet(path, columns=["prompt_id"])["prompt_id"].to_list())
+        used = workload_prompt_ids(workloads_dir)
         pool = [p for p in read_fortunes(Path(fortunes_dir)) if p.prompt_id not in used]
         rng = np.random.default_rng(seed)
         for j, i in enumerate(sorted(rng.permutation(len(pool))[:fortunes].tolist())):

@@ -143,8 +143,9 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         return p @ v1
     p = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)  # [B, H, T, T + j - 1]
     out = p[..., :T] @ v1  # [B, H, T, hd]
+    anc_p = p[..., T:]  # [B, H, T, j - 1] (a slice, not an index at T + i: torch.compile keeps T symbolic)
     for i, vi in enumerate(anc_v):
-        out = out + p[..., T + i, None] * vi
+        out = out + anc_p[..., i : i + 1] * vi
     return out
 
 

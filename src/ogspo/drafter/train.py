@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import atomic_write
@@ -39,6 +38,7 @@ from .data import (
     annotate_text,
     corpus_prompts,
     draft_vocabulary,
+    fortune_sequences,
     generate_annotated,
     generate_batched,
     plan_bulk,
@@ -200,10 +200,19 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     data, gen_cached = _cached(cache / f"generated-{gen_key}.pt", generate)
     gen_s = time.perf_counter() - t0
 
-    # text read as it stands: ShareGPT conversations (cut to sharegpt.max_tokens), then standard-library chunks
-    text_ids = [tokenizer(t.prompt, add_special_tokens=False).input_ids[: sg["max_tokens"]] for t in sg_texts]
-    text_ids += stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
-                                 held_out=NearDuplicateIndex(held_out))
+    # text read as it stands, by source: ShareGPT conversations (cut to sharegpt.max_tokens), standard-library
+    # chunks, whole fortunes; each source in blocks of TEXT_BLOCK texts, so a larger sample reuses a smaller one's blocks
+    held_index = NearDuplicateIndex(held_out)
+    if cfg["fortune_tokens"] and fortunes_dir is None:
+        raise ValueError("drafter.fortune_tokens needs workloads.fortunes.dir (the fortunes folder)")
+    text_sources = {
+        "sharegpt": [tokenizer(t.prompt, add_special_tokens=False).input_ids[: sg["max_tokens"]] for t in sg_texts],
+        "stdlib": stdlib_sequences(tokenizer=tokenizer, max_tokens=cfg["stdlib_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
+                                   held_out=held_index),
+        "fortunes": fortune_sequences(fortunes_dir=fortunes_dir, workloads_dir=workloads_dir, tokenizer=tokenizer,
+                                      max_tokens=cfg["fortune_tokens"], seq_len=cfg["seq_len"] + 1, seed=seed,
+                                      held_out=held_index) if cfg["fortune_tokens"] else [],
+    }
 
     def read_text(block: list[list[int]]) -> list[Sequence]:
         lm = target_lm(max(len(s) for s in block), writes=False)  # plans the bulk forwards first
@@ -211,20 +220,18 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
 
     t0 = time.perf_counter()
     annotated, ann_built = [], 0
-    n_sg = len(sg_texts)  # ShareGPT blocks, then standard-library blocks: a larger sample reuses a smaller one's blocks
-    bounds = [(a, min(a + TEXT_BLOCK, n_sg)) for a in range(0, n_sg, TEXT_BLOCK)]
-    bounds += [(a, min(a + TEXT_BLOCK, len(text_ids))) for a in range(n_sg, len(text_ids), TEXT_BLOCK)]
-    for a, b in bounds:
-        block = text_ids[a:b]
-        key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"], "ids": _hash(block)})
-        part, was_cached = _cached(cache / f"text-{key}.pt", lambda: read_text(block))
-        annotated += part
-        ann_built += 0 if was_cached else sum(len(s) for s in block)
+    for source, ids in text_sources.items():
+        for a in range(0, len(ids), TEXT_BLOCK):
+            block = ids[a : a + TEXT_BLOCK]
+            key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"], "ids": _hash(block)})
+            part, was_cached = _cached(cache / f"text-{key}.pt", lambda: read_text(block))
+            for s in part:
+                s.source = source
+            annotated += part
+            ann_built += 0 if was_cached else sum(len(s) for s in block)
     ann_s = time.perf_counter() - t0
     for i, s in enumerate(data):  # generate_batched keeps the prompts' order, once per sampled pass
         s.source = "answered" if texts[i % len(texts)].source == "sharegpt/answer" else "generated"
-    for i, s in enumerate(annotated):
-        s.source = "sharegpt" if i < len(sg_texts) else "stdlib"
 
     seqs = data + annotated
     by_source: dict[str, int] = {}
@@ -323,67 +330,125 @@ def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int, device: torch.dev
     return tuple(t.to(device) for t in (feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]))
 
 
-def ttt_loss(head: EagleHead, batch, steps: int, decay: float, *, dtype: torch.dtype | None = None, accuracy: bool = True):
-    """The TTT loss (decayed sum over steps), and per step the loss and the top-1 agreement with the
-    target (empty without `accuracy`: an argmax over every logit, wanted only where it is logged).
-    Matmuls under autocast in `dtype` (None: bf16 on CUDA, fp32 elsewhere); weights and the softmax stay fp32."""
-    feats, nxt, did, tp, valid, top1 = batch
+def ttt_objective(head: EagleHead, batch, steps: int, decay: float, dtype: torch.dtype | None = None):
+    """The TTT loss (decayed sum over steps), the per-step losses [steps] and the per-step draft logits:
+    tensors only, no host synchronisation, so `torch.compile` takes the whole of it (`compile_objective`).
+    Matmuls under autocast in `dtype` (None: bf16 on CUDA, fp32 elsewhere); weights and the softmax stay fp32.
+    The cross-entropy against the target's top-K probabilities is sum_k p_k (logsumexp(logits) - logit_k)."""
+    feats, nxt, did, tp, valid, _ = batch
     if dtype is None:
         dtype = torch.bfloat16 if feats.device.type == "cuda" else torch.float32
     with torch.autocast(feats.device.type, dtype=dtype, enabled=dtype != torch.float32):
         outs = head.forward_train(feats, nxt, steps)
-    total, losses, accs = 0.0, [], []
+    total, losses = 0.0, []
     for j, logits in enumerate(outs, start=1):
         m = valid.clone()
         m[:, : j - 1] = False  # no root before t - j + 1
-        logq = F.log_softmax(logits.float(), -1)  # [B, T, V']
-        ce = -(tp * logq.gather(-1, did)).sum(-1)  # [B, T]
+        lf = logits.float()  # [B, T, V']
+        ce = (tp * (torch.logsumexp(lf, -1, keepdim=True) - lf.gather(-1, did))).sum(-1)  # [B, T]
         loss = (ce * m).sum() / m.sum().clamp(min=1)
         total = total + (decay ** (j - 1)) * loss
-        losses.append(float(loss.detach()))
-        if accuracy:
+        losses.append(loss)
+    return total, torch.stack(losses).detach(), outs
+
+
+def ttt_loss(head: EagleHead, batch, steps: int, decay: float, *, dtype: torch.dtype | None = None, accuracy: bool = True):
+    """The TTT loss (decayed sum over steps), and per step the loss and the top-1 agreement with the
+    target (empty without `accuracy`: an argmax over every logit, wanted only where it is logged)."""
+    total, losses, outs = ttt_objective(head, batch, steps, decay, dtype)
+    accs = []
+    if accuracy:
+        valid, top1 = batch[4], batch[5]
+        for j, logits in enumerate(outs, start=1):
+            m = valid.clone()
+            m[:, : j - 1] = False
             pred = head.d2t[logits.argmax(-1)]
             accs.append(float(((pred == top1) & m).sum() / m.sum().clamp(min=1)))
-    return total, losses, accs
+    return total, losses.tolist(), accs
+
+
+def compile_objective(steps: int, decay: float, dtype: torch.dtype):
+    """`ttt_objective` through `torch.compile`, for batches of any shape: the batch's rows and positions are
+    marked dynamic, so one compilation serves every batch (about a minute on a 2-core CPU, once per run).
+    Returns f(head, batch) -> (loss, per-step losses [steps])."""
+    compiled = torch.compile(ttt_objective, dynamic=True)
+
+    def objective(head: EagleHead, batch):
+        for t in batch:
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        total, losses, _ = compiled(head, batch, steps, decay, dtype)
+        return total, losses
+
+    return objective
 
 
 TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def step_seconds(head: EagleHead, batch, cfg: dict, dtype: torch.dtype) -> float:
+    """Seconds of one eager training step (forward and backward) on `batch` in `dtype`."""
+    t0 = time.perf_counter()
+    loss, _, _ = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dtype, accuracy=False)
+    loss.backward()
+    return time.perf_counter() - t0
 
 
 def choose_train_dtype(head: EagleHead, batch, cfg: dict, reps: int = 2) -> tuple[torch.dtype, dict]:
     """The dtype of the head's training matmuls: `cfg["train_dtype"]` if named, else (auto) bf16 on
     CUDA and, on a CPU, the faster of fp32 and bf16 autocast timed on `batch` (forward and backward,
     after one warm-up each, interleaved): bf16 pays where the CPU computes it (AVX512-BF16, AMX) and
-    is emulated, slower, where it does not. Returns the dtype and the median step seconds of each."""
+    is emulated, slower, where it does not. Returns the dtype and the median step seconds of each
+    dtype timed (of the named one only, where a dtype is named)."""
     name = cfg["train_dtype"]
-    if name != "auto":
-        return TRAIN_DTYPES[name], {}
-    if batch[0].device.type != "cpu":
-        return torch.bfloat16, {}
-    times: dict[str, list[float]] = {k: [] for k in TRAIN_DTYPES}
+    if name == "auto" and batch[0].device.type != "cpu":
+        name = "bfloat16"
+    timed = TRAIN_DTYPES if name == "auto" else {name: TRAIN_DTYPES[name]}
+    times: dict[str, list[float]] = {k: [] for k in timed}
     for r in range(reps + 1):
-        for k, dt in TRAIN_DTYPES.items():
-            t0 = time.perf_counter()
-            loss, _, _ = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dt, accuracy=False)
-            loss.backward()
+        for k, dt in timed.items():
+            t = step_seconds(head, batch, cfg, dt)
             if r:
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(t)
     head.zero_grad(set_to_none=True)
     medians = {k: float(np.median(v)) for k, v in times.items()}
     return TRAIN_DTYPES[min(medians, key=medians.get)], medians
 
 
+COMPILE_MIN_SECONDS = 300  # eager training time from which `train_compile: auto` compiles (a compilation: ~1 min, 2-core CPU)
+
+
+def choose_compile(setting, *, steps: int, step_seconds: float) -> bool:
+    """Whether the training steps run through `torch.compile` (`compile_objective`): `drafter.train_compile`
+    if true or false; auto: where the eager run would take `COMPILE_MIN_SECONDS` or more, so the one
+    compilation pays (measured on the 2-core Intel Xeon: a compiled bf16 step 0.30-0.38 s against 0.45-0.62 s eager)."""
+    if setting != "auto":
+        return bool(setting)
+    return steps * step_seconds >= COMPILE_MIN_SECONDS
+
+
 def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: dict, seed: int, start: int, history: list,
-                 checkpoint, dtype: torch.dtype) -> None:
+                 checkpoint, dtype: torch.dtype, compiled: bool) -> str | None:
     """Steps start..cfg["steps"] of training (appending to `history`), saving a resumable checkpoint
-    every `checkpoint_every` steps; checkpoint = (path, run key, numpy generator)."""
+    every `checkpoint_every` steps; checkpoint = (path, run key, numpy generator). With `compiled`,
+    the unlogged steps run `compile_objective` (logged steps stay eager: they take an argmax over the
+    logits). Returns why compilation fell back to eager steps (no C++ compiler, say), or None."""
     ckpt, run_key, rng = checkpoint
+    objective = compile_objective(cfg["ttt_steps"], cfg["ttt_decay"], dtype) if compiled else None
+    fallback = None
     head.train()
     bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
     for step in bar:
         batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"], head.d2t.device)
         logged = step % 25 == 0 or step == cfg["steps"] - 1
-        loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dtype, accuracy=logged)
+        loss = None
+        if objective is not None and not logged:
+            try:
+                loss, _ = objective(head, batch)
+            except Exception as e:  # noqa: BLE001 - inductor's failures (a missing compiler, say) leave eager steps
+                objective, fallback = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        if loss is None:
+            loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dtype, accuracy=logged)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -398,6 +463,7 @@ def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: di
                  "step": step + 1, "history": history, "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()},
                 ckpt,
             )
+    return fallback
 
 
 def _validate(head: EagleHead, seqs: list[Sequence], val: np.ndarray, t2d: torch.Tensor, cfg: dict, batch_tokens: int,
@@ -492,9 +558,11 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
             torch.set_rng_state(state["torch_rng"])
     fullest = max(batches, key=lambda b: len(b) * int(lengths[b].max()))  # the most padded positions: a typical step's shape
     dtype, dtype_timing = choose_train_dtype(head, make_batch(seqs, train[fullest], t2d, cfg["seq_len"], head.d2t.device), cfg)
+    compiled = choose_compile(cfg["train_compile"], steps=cfg["steps"] - start,
+                              step_seconds=dtype_timing[str(dtype).removeprefix("torch.")])
     t1 = time.perf_counter()
-    _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed, start=start,
-                 history=history, checkpoint=(ckpt, run_key, rng), dtype=dtype)
+    fallback = _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed,
+                            start=start, history=history, checkpoint=(ckpt, run_key, rng), dtype=dtype, compiled=compiled)
     train_s = time.perf_counter() - t1
 
     vl, va, nb = _validate(head, seqs, val, t2d, cfg, batch_tokens, dtype=dtype)
@@ -506,6 +574,7 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
         "metrics": {"val_loss_step1": float(vl[0] / nb), "val_top1": (va / nb).tolist(), "train_tokens": n_tokens,
                     "data": data_stats, "data_seconds": data_seconds, "train_seconds": train_s, "steps": cfg["steps"],
                     "train_dtype": str(dtype).removeprefix("torch."), "train_dtype_step_seconds": dtype_timing,
+                    "train_compiled": compiled and fallback is None, "train_compile_fallback": fallback,
                     "history": history},
     }
     out_dir = Path(out_dir)

@@ -164,16 +164,17 @@ def _check_fortunes(cfg: Mapping) -> None:
         return
     fortunes = workloads.get("fortunes")
     if fortunes is None:
-        if (cfg.get("drafter") or {}).get("extra_fortunes", 0) > 0:
-            raise ConfigError("config error at 'drafter.extra_fortunes': extra training fortunes come from the fortunes "
-                              "workload's folder; set drafter.extra_fortunes: 0 when the fortunes workload is left out")
+        for key in ("extra_fortunes", "fortune_tokens"):
+            if (cfg.get("drafter") or {}).get(key, 0) > 0:
+                raise ConfigError(f"config error at 'drafter.{key}': training fortunes come from the fortunes workload's "
+                                  f"folder; set drafter.{key}: 0 when the fortunes workload is left out")
         return
     folder = Path(fortunes["dir"])
     if not folder.is_dir():
         raise ConfigError(
             f"config error at 'workloads.fortunes.dir': {folder} does not exist; install Debian's fortunes "
             "(apt-get install fortunes, as root), point dir at a folder of fortune files, or leave the workload out "
-            "(workloads: {fortunes: null} and drafter: {extra_fortunes: 0} in your config file)"
+            "(workloads: {fortunes: null} and drafter: {extra_fortunes: 0, fortune_tokens: 0} in your config file)"
         )
 
 

@@ -4,8 +4,11 @@ Per workload and temperature, for every head (the train_drafter head and its GTO
 on `prompts_per_workload` prompts (acceptance per depth, with the cycles behind each figure), and on
 the first `speed_prompts_per_workload` of them, side by side and interleaved prompt by prompt, the
 autoregressive target and EAGLE-3 dynamic trees of several sizes (tau, bonus included, and
-complete-request throughput). And how much of the target's next-token mass each head's draft
-vocabulary holds on the greedy continuations of those prompts (a ceiling on acceptance where it is low)."""
+complete-request throughput). And two ceilings on acceptance: how much of the target's next-token mass
+each head's draft vocabulary holds on the greedy continuations of those prompts, and, at T > 0, the
+target's largest next-token probability at each chain cycle's root: drafted tokens are point-mass
+proposals (`engine.verify`), so a first drafted token is accepted with at most that probability, whatever
+the head (at T = 0 the ceiling is 1)."""
 
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import write_text
-from ogspo.engine.decode import SpeculativeEngine
+from ogspo.engine.decode import CycleTrace, SpeculativeEngine
 from ogspo.engine.policies import Autoregressive, DynamicTree, chain
 from ogspo.engine.target import synchronize
 from ogspo.engine.tree import DraftTree
+from ogspo.engine.verify import target_probs
 from ogspo.methods.registry import make_drafter, make_target
 from ogspo.stages.model import load_target, model_checksum
 
@@ -41,6 +45,9 @@ class MethodFigures:
     accept_by_depth: list[float] = field(default_factory=list)  # chains: P(depth d accepted | d-1 accepted)
     depth_trials: list[int] = field(default_factory=list)  # chains: cycles that reached depth d - 1 (each figure's count)
     prompts: int = 0  # requests behind the figures
+    # chains: mean over cycles of the target's largest next-token probability at the root, at this temperature;
+    # the first drafted token (a point mass) is accepted with at most that probability (1 at T = 0)
+    first_token_ceiling: float = float("nan")
 
 
 @dataclass
@@ -149,10 +156,20 @@ def measure_drafter(
     for temp in temperatures:
         # no EOS: every method generates max_new_tokens, so its speedup compares the same work (at T > 0 an AR
         # request stopping at an early EOS was timed mostly on its prefill: "2.05x" on humaneval T=1)
-        engines = [SpeculativeEngine(target=target, policy=p, drafter=d, temperature=temp, eos_token_id=None)
-                   for _, p, d, _ in runs]
+        root_pmax: list[list[float]] = [[] for _ in runs]  # chains: the target's largest probability at each cycle's root
+
+        def observer(into: list[float], temp: float = temp):
+            def observe(trace: CycleTrace) -> None:
+                into.append(1.0 if temp == 0 else float(target_probs(trace.logits[:1].cpu(), temperature=temp).max()))
+            return observe
+
+        engines = [SpeculativeEngine(target=target, policy=p, drafter=d, temperature=temp, eos_token_id=None,
+                                     cycle_observer=observer(pm) if every else None)
+                   for (_, p, d, every), pm in zip(runs, root_pmax)]
         for workload, plist in prompts.items():
             acc: list[dict] = [{"tps": [], "cycles": [], "tokens": 0, "prompts": 0} for _ in runs]
+            for pm in root_pmax:
+                pm.clear()
             for i, prompt in enumerate(plist):
                 for (_, _, _, every), a, eng in zip(runs, acc, engines):
                     if not every and i >= n_speed:
@@ -166,7 +183,7 @@ def measure_drafter(
                     a["prompts"] += 1
                 bar.update(1)
             base = np.array(acc[len(drafters)]["tps"] if n_speed else [])
-            for (label, p, _, _), a in zip(runs, acc):
+            for (label, p, _, _), a, pm in zip(runs, acc, root_pmax):
                 cyc = np.array(a["cycles"]) - 1  # drafted tokens accepted per cycle
                 by_depth, trials = [], []
                 if p.name.startswith("chain") and len(cyc):
@@ -181,6 +198,7 @@ def measure_drafter(
                     throughput=float(np.median(tps[:n_speed])) if n_speed else float("nan"),
                     speedup=float(np.median(tps[: len(base)] / base)) if len(base) else float("nan"),
                     tokens=int(a["tokens"]), accept_by_depth=by_depth, depth_trials=trials, prompts=a["prompts"],
+                    first_token_ceiling=float(np.mean(pm)) if pm else float("nan"),
                 ))
     bar.close()
     coverage = {label: {w: vocab_coverage(target, d.head.d2t, texts) for w, texts in greedy.items() if texts}
@@ -203,13 +221,17 @@ def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
 def render_markdown(result: MeasureResult) -> str:
     lines = [f"Chains on {result.prompts_per_workload} eval prompts per workload, the others (and every speedup) on the first "
              f"{result.speed_prompts_per_workload}; {result.max_new_tokens} new tokens per request. Acceptance by depth d is "
-             "P(depth d accepted | depth d-1 reached), over the cycles that reached d-1 (in brackets).", "",
-             "| workload | T | method | head | prompts | tokens | tau | tokens/s | speedup vs ar | acceptance by depth [cycles] |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+             "P(depth d accepted | depth d-1 reached), over the cycles that reached d-1 (in brackets). The first-token "
+             "ceiling is the target's mean largest probability at the chains' roots: a drafted token is a point mass, "
+             "accepted at T > 0 with at most that probability.", "",
+             "| workload | T | method | head | prompts | tokens | tau | tokens/s | speedup vs ar | acceptance by depth [cycles] "
+             "| first-token ceiling |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for f in result.figures:
         depth = ", ".join(f"{a:.2f} [{n}]" for a, n in zip(f.accept_by_depth, f.depth_trials))
+        ceiling = "-" if np.isnan(f.first_token_ceiling) else f"{f.first_token_ceiling:.3f}"
         lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.head or '-'} | {f.prompts} | {f.tokens} | {f.tau:.2f} "
-                     f"| {f.throughput:.1f} | {f.speedup:.2f}x | {depth} |")
+                     f"| {f.throughput:.1f} | {f.speedup:.2f}x | {depth} | {ceiling} |")
     lines += ["", "One head level over w frontier nodes (median ms): "
               + ", ".join(f"w={w}: {ms:.1f}" for w, ms in result.expand_ms.items()), ""]
     for head, by_w in result.vocab_coverage.items():

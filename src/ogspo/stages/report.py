@@ -525,9 +525,11 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
     figs = acceptance.get("figures", [])
     heads = list(dict.fromkeys(f["head"] for f in figs if f.get("head")))
     lines = ["## Draft heads (stage measure_drafter: held-out eval prompts, heads interleaved prompt by prompt)", "",
-             "Chain acceptance by depth d: P(depth d accepted | depth d-1 reached) [cycles that reached d-1].", "",
-             "| workload | T | head | chain acceptance by depth | best tree | tau | speedup vs ar |",
-             "|---|---:|---|---|---|---:|---:|"]
+             "Chain acceptance by depth d: P(depth d accepted | depth d-1 reached) [cycles that reached d-1]. First-token "
+             "ceiling: the target's mean largest probability at the chain's roots, which a drafted token (a point mass) "
+             "is accepted with at most, at T > 0.", "",
+             "| workload | T | head | chain acceptance by depth | first-token ceiling | best tree | tau | speedup vs ar |",
+             "|---|---:|---|---|---:|---|---:|---:|"]
     keys = list(dict.fromkeys((f["workload"], f["temperature"]) for f in figs))
     for w, t in keys:
         for h in heads:
@@ -540,7 +542,8 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
                 counts = chain_.get("depth_trials") or [None] * len(chain_["accept_by_depth"])
                 acc = ", ".join(f"{a:.2f}" + (f" [{n}]" if n is not None else "") for a, n in zip(chain_["accept_by_depth"], counts))
                 acc += f" ({chain_['prompts']} prompts)" if chain_.get("prompts") else ""
-            lines.append(f"| {w} | {t:g} | {h} | {acc} | {best['method'] if best else '-'} | "
+            ceiling = _fmt(chain_.get("first_token_ceiling") if chain_ else None, ".3f")
+            lines.append(f"| {w} | {t:g} | {h} | {acc} | {ceiling} | {best['method'] if best else '-'} | "
                          f"{_fmt(best['tau'] if best else None)} | {_fmt(best['speedup'] if best else None)}x |")
     for h, meta in metas.items():
         top1 = [round(a, 3) for a in meta.get("metrics", {}).get("val_top1", [])]
