@@ -37,7 +37,7 @@ from ogspo.artifacts.latency import LatencyModel  # noqa: E402
 from ogspo.artifacts.records import Records, load_records  # noqa: E402
 from ogspo.engine.tree import Structure  # noqa: E402
 from ogspo.learn.policy import combine_data, offline_states, posterior_bound  # noqa: E402
-from ogspo.learn.threshold import fit_thresholds, threshold_depths  # noqa: E402
+from ogspo.learn.threshold import fit_thresholds, request_folds, threshold_depths  # noqa: E402
 from ogspo.methods.features import FEATURE_NAMES  # noqa: E402
 
 PROB_FEATURES = ("max_cum_prob", "mean_cum_prob", "max_prob")
@@ -54,15 +54,13 @@ def root_target_prob(records: Records) -> np.ndarray:
 
 
 def kfold(requests: np.ndarray, fit_predict: Callable[[np.ndarray, np.ndarray], np.ndarray], seed: int = 0) -> np.ndarray:
-    """Held-out stop depths [C]: each fold's requests decided by what `fit_predict(train_mask, held_mask)` fits on the others."""
-    names = np.array(sorted(set(requests.tolist())), dtype=object)
-    fold_of = dict(zip(names.tolist(), np.random.default_rng(seed).permutation(len(names)) % FOLDS))
-    fold = np.array([fold_of[r] for r in requests.tolist()])
+    """Held-out stop depths [C]: each fold's requests (`request_folds`, as the keep/drop rule splits them)
+    decided by what `fit_predict(train_mask, held_mask)` fits on the others."""
+    fold = request_folds(requests, folds=FOLDS, seed=seed)
     out = np.zeros(len(requests), dtype=np.int64)
-    for i in range(FOLDS):
+    for i in np.unique(fold):
         held = fold == i
-        if held.any():
-            out[held] = fit_predict(~held, held)
+        out[held] = fit_predict(~held, held)
     return out
 
 

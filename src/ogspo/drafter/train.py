@@ -330,6 +330,13 @@ def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int, device: torch.dev
     return tuple(t.to(device) for t in (feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]))
 
 
+def _step_mask(valid: torch.Tensor, j: int) -> torch.Tensor:
+    """The positions TTT step j is scored on: valid ones with a root (t - j + 1 >= 0). [B, T] bool"""
+    m = valid.clone()
+    m[:, : j - 1] = False
+    return m
+
+
 def ttt_objective(head: EagleHead, batch, steps: int, decay: float, dtype: torch.dtype | None = None):
     """The TTT loss (decayed sum over steps), the per-step losses [steps] and the per-step draft logits:
     tensors only, no host synchronisation, so `torch.compile` takes the whole of it (`compile_objective`).
@@ -342,8 +349,7 @@ def ttt_objective(head: EagleHead, batch, steps: int, decay: float, dtype: torch
         outs = head.forward_train(feats, nxt, steps)
     total, losses = 0.0, []
     for j, logits in enumerate(outs, start=1):
-        m = valid.clone()
-        m[:, : j - 1] = False  # no root before t - j + 1
+        m = _step_mask(valid, j)
         lf = logits.float()  # [B, T, V']
         ce = (tp * (torch.logsumexp(lf, -1, keepdim=True) - lf.gather(-1, did))).sum(-1)  # [B, T]
         loss = (ce * m).sum() / m.sum().clamp(min=1)
@@ -360,8 +366,7 @@ def ttt_loss(head: EagleHead, batch, steps: int, decay: float, *, dtype: torch.d
     if accuracy:
         valid, top1 = batch[4], batch[5]
         for j, logits in enumerate(outs, start=1):
-            m = valid.clone()
-            m[:, : j - 1] = False
+            m = _step_mask(valid, j)
             pred = head.d2t[logits.argmax(-1)]
             accs.append(float(((pred == top1) & m).sum() / m.sum().clamp(min=1)))
     return total, losses.tolist(), accs

@@ -81,19 +81,23 @@ def fit_thresholds(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarra
     return theta
 
 
-def kfold_depths(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarray, requests: np.ndarray, *, folds: int,
-                 seed: int) -> np.ndarray:
-    """Held-out stop depths [C]: the requests split into `folds` folds (at most one per request), each
-    fold's cycles decided by thresholds fitted on the others."""
+def request_folds(requests: np.ndarray, *, folds: int, seed: int) -> np.ndarray:
+    """Fold of every cycle [C]: the requests split into `folds` folds (at least 2, at most one per request),
+    so a request's cycles are held out together."""
     names = np.array(sorted(set(requests.tolist())), dtype=object)
     k = max(2, min(folds, len(names)))
     fold_of = dict(zip(names.tolist(), np.random.default_rng(seed).permutation(len(names)) % k))
-    f = np.array([fold_of[r] for r in requests.tolist()])
+    return np.array([fold_of[r] for r in requests.tolist()], dtype=np.int64)
+
+
+def kfold_depths(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarray, requests: np.ndarray, *, folds: int,
+                 seed: int) -> np.ndarray:
+    """Held-out stop depths [C]: each fold's cycles (`request_folds`) decided by thresholds fitted on the others."""
+    f = request_folds(requests, folds=folds, seed=seed)
     out = np.zeros(len(requests), dtype=np.int64)
-    for i in range(k):
+    for i in np.unique(f):
         held = f == i
-        if held.any():
-            out[held] = threshold_depths(x[held], level[held], fit_thresholds(x[~held], level[~held], A[~held], t[~held]))
+        out[held] = threshold_depths(x[held], level[held], fit_thresholds(x[~held], level[~held], A[~held], t[~held]))
     return out
 
 
