@@ -2,6 +2,8 @@
 lossless in the engine, and a head for another target is refused."""
 
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -412,6 +414,8 @@ def test_the_head_data_runs_on_the_kernels_measured_cheaper():
     assert none.read is None and none.write is None and none.us_per_token == {} and none.read_rows == max(BULK_ROWS)
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler (training then runs eager)")
 def test_the_compiled_training_objective_equals_the_eager_one_at_every_batch_shape():
     """`compile_objective` (torch.compile, the batch's rows and positions dynamic) gives the eager TTT loss and
     gradients on batches of two shapes; `choose_compile` compiles only where the eager run would be long."""
@@ -440,3 +444,48 @@ def test_the_compiled_training_objective_equals_the_eager_one_at_every_batch_sha
     assert choose_compile("auto", steps=1000, step_seconds=COMPILE_MIN_SECONDS / 999)
     assert not choose_compile("auto", steps=10, step_seconds=1.0)
     assert choose_compile(True, steps=1, step_seconds=0.0) and not choose_compile(False, steps=10**6, step_seconds=1.0)
+
+
+def test_a_compile_failure_at_the_first_backward_leaves_eager_steps_and_says_so(tmp_path, monkeypatch):
+    """Inductor compiles the backward graph at the first backward, so a missing C++ compiler shows there:
+    training goes on with eager steps from that step, and drafter.json names the failure."""
+    import json
+    from types import SimpleNamespace
+
+    from ogspo.artifacts.settings import default_settings
+    from ogspo.drafter import train
+    from ogspo.drafter.head import HeadConfig
+
+    class NoCompiler(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    calls = []
+
+    def failing_objective(steps, decay, dtype):
+        def objective(head, batch):
+            calls.append(1)
+            total, losses, _ = train.ttt_objective(head, batch, steps, decay, dtype)
+            return NoCompiler.apply(total), losses
+        return objective
+
+    monkeypatch.setattr(train, "compile_objective", failing_objective)
+    model = tiny_model(7, vocab=64, layers=4).float()
+    gen = torch.Generator().manual_seed(0)
+    seqs = hf_annotate(model, [torch.randint(0, 64, (40,), generator=gen).tolist() for _ in range(12)],
+                       HeadConfig.for_target(model, draft_vocab=48).feature_layers, top_k=4)
+    cfg = {k: v for k, v in default_settings("drafter").items() if k != "gto"}
+    cfg.update(draft_vocab=48, seq_len=16, batch_size=2, epochs=3, warmup=2, train_dtype="float32", train_compile=True,
+               val_fraction=0.2)
+    tok = SimpleNamespace(eos_token_id=2)
+    r = train.train_head(model=model, tokenizer=tok, target_checksum="x", seqs=seqs, cfg=cfg, seed=0,
+                         out_dir=tmp_path / "head", work_dir=tmp_path / "work")
+    metrics = json.loads((tmp_path / "head" / "drafter.json").read_text())["metrics"]
+    assert r.steps > 26 and len(calls) == 1  # step 1 tried the compiled objective once; the rest ran eager
+    assert metrics["train_compiled"] is False and "InvalidCxxCompiler" in metrics["train_compile_fallback"]
+    assert all(np.isfinite(h["loss"]).all() for h in r.history)

@@ -446,16 +446,19 @@ def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: di
     for step in bar:
         batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"], head.d2t.device)
         logged = step % 25 == 0 or step == cfg["steps"] - 1
-        loss = None
+        opt.zero_grad(set_to_none=True)
+        stepped = False
         if objective is not None and not logged:
-            try:
+            try:  # the backward graph compiles at the first backward: it fails there, if anywhere
                 loss, _ = objective(head, batch)
+                loss.backward()
+                stepped = True
             except Exception as e:  # noqa: BLE001 - inductor's failures (a missing compiler, say) leave eager steps
                 objective, fallback = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        if loss is None:
+                opt.zero_grad(set_to_none=True)
+        if not stepped:
             loss, losses, accs = ttt_loss(head, batch, cfg["ttt_steps"], cfg["ttt_decay"], dtype=dtype, accuracy=logged)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
