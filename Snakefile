@@ -26,6 +26,7 @@ include: "rules/policy.smk"
 include: "rules/baselines.smk"
 include: "rules/evaluate.smk"
 include: "rules/resolve.smk"
+include: "rules/export.smk"
 
 
 rule all:
@@ -42,5 +43,6 @@ rule all:
         expand(f"{RESULTS}/sequoia/{{tag}}", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/routing/{{tag}}", tag=RECORD_TEMPERATURES),
         f"{RESULTS}/report/summary.json",
+        f"{RESULTS}/export/trees.json",
         expand(f"{RESULTS}/resolve/{{name}}/{{tag}}", name=list(config["resolve"]), tag=RECORD_TEMPERATURES),
     default_target: True

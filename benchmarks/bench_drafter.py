@@ -62,9 +62,9 @@ def main() -> int:
     from ogspo.drafter.head import HeadConfig
     from ogspo.drafter.train import build_data, train_head
     from ogspo.engine.kernels import read_kernel_table
+    from ogspo.engine.model import load_target, model_checksum
     from ogspo.stages.config import load_config
     from ogspo.stages.measure_drafter import measure_drafter
-    from ogspo.stages.model import load_target, model_checksum
 
     full = load_config([REPO / "config" / "default.yaml", *args.config], sections=("drafter", "workloads"), check_paths=False)
     cfg = settings("drafter", full["drafter"])
@@ -101,7 +101,8 @@ def main() -> int:
     lines = [
         "## Draft head: learning curve (`benchmarks/bench_drafter.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch "
+        f"{torch.__version__}",
         f"- reproduce: `{cmd.strip()}` (after `make run`, whose data it reads from the cache)",
         (f"- data: {stats.tokens} tokens ({stats.generated_tokens} written by the target; prompts by source {stats.prompts}; "
          f"{stats.near_held_out} dropped as near an eval/calib prompt), "

@@ -11,7 +11,7 @@ head on that table in that dtype. Per eval request slot the two dtypes run in a 
 order (`stages.evaluate.slot_order`), each through `stages.evaluate.evaluate_methods` with `ar`
 and the DAG's best method for the workload (fastest speculative method at T=0 in
 evaluate/summary.json, picked before this run): complete-request throughput, paired ratios with
-95% bootstrap intervals (`stages.compare`), and whether each dtype's tokens equal its own AR.
+95% bootstrap intervals (`analysis.compare`), and whether each dtype's tokens equal its own AR.
 """
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ from benchdoc import REPO, cpu_model, git_commit, paired_tables, write_section  
 
 from ogspo.engine import native  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
-from ogspo.methods.registry import make_target  # noqa: E402
-from ogspo.stages.calibrate import calibrate_device_kernels  # noqa: E402
+from ogspo.engine.model import load_target, read_manifest  # noqa: E402
+from ogspo.methods.harness import pair_seed, slot_order  # noqa: E402
+from ogspo.methods.registry import (
+    make_target,  # noqa: E402
+    method_specs,  # noqa: E402
+)
+from ogspo.stages.calibrate_kernels import calibrate_device_kernels  # noqa: E402
 from ogspo.stages.config import load_config  # noqa: E402
-from ogspo.stages.evaluate import evaluate_methods, load_prompts, method_specs, pair_seed, slot_order  # noqa: E402
-from ogspo.stages.model import load_target, read_manifest  # noqa: E402
+from ogspo.stages.evaluate import evaluate_methods, load_prompts  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -65,11 +69,13 @@ def main() -> int:
     models["fp32"] = copy.deepcopy(models["bf16"]).to(torch.float32)  # the bf16 values, exact in fp32
     kcfg = load_config(REPO / "config" / "default.yaml")["kernels"]
     run_table = read_kernel_table(res / "kernels" / "kernels.json")
-    tables = {k: run_table if run_table.key.get("dtype") == str(DTYPES[k]).removeprefix("torch.") else calibrate_device_kernels(m, kcfg)[0]
+    tables = {k: run_table if run_table.key.get("dtype") == str(DTYPES[k]).removeprefix("torch.")
+              else calibrate_device_kernels(m, kcfg)[0]
               for k, m in models.items()}
     drafters = {k: run_head(res, m, checksum, tables[k]) for k, m in models.items()}
     targets = {k: make_target(m, max_len=4096, drafter=drafters[k], kernels=tables[k]) for k, m in models.items()}
-    artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"), "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
+    artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"),
+                 "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
                  "ogspo": str(res / "policy" / "{T}")}
     best = dag_best(res / "evaluate" / "summary.json", SPEC_METHODS)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="eval", n=args.prompts)
@@ -83,7 +89,8 @@ def main() -> int:
             for index, (pid, ids) in enumerate(plist):
                 order = slot_order(len(units), pair_seed(args.seed, 0.0, workload, index, repeat), index)
                 for unit in (units[j] for j in order):
-                    ev = evaluate_methods(target=targets[unit], drafter=drafters[unit], prompts={workload: [(pid, ids)]}, methods=specs,
+                    ev = evaluate_methods(target=targets[unit], drafter=drafters[unit], prompts={workload: [(pid, ids)]},
+                                          methods=specs,
                                           temperatures=[0.0], max_new_tokens=args.max_new_tokens, repeats=1,
                                           seed=args.seed + 7919 * index + repeat, artifacts=artifacts)
                     for r in ev.rows:
@@ -91,7 +98,8 @@ def main() -> int:
                         rows.append({"workload": workload, "temperature": 0.0, "prompt_id": pid, "repeat": repeat,
                                      "method": f"{unit}-{method}", "best": r.method, "seconds": r.wall_seconds,
                                      "throughput": r.throughput, "tau": r.tau, "tokens": r.tokens})
-                print(f"r{repeat} {workload} {pid}: " + ", ".join(f"{r['method']} {r['throughput']:.1f}" for r in rows[-2 * len(specs):]),
+                print(f"r{repeat} {workload} {pid}: "
+                      + ", ".join(f"{r['method']} {r['throughput']:.1f}" for r in rows[-2 * len(specs):]),
                       flush=True)
     seconds = time.perf_counter() - t0
     df = pl.DataFrame(rows)
@@ -105,35 +113,44 @@ def main() -> int:
     return 0
 
 
-RATIOS = (("bf16-best", "fp32-best"), ("bf16-ar", "fp32-ar"), ("bf16-best", "fp32-ar"), ("bf16-best", "bf16-ar"), ("fp32-best", "fp32-ar"))
+RATIOS = (("bf16-best", "fp32-best"), ("bf16-ar", "fp32-ar"), ("bf16-best", "fp32-ar"), ("bf16-best", "bf16-ar"),
+          ("fp32-best", "fp32-ar"))
 
 
 def render(df: pl.DataFrame, best: dict, tables: dict, *, args, seconds: float, manifest: dict) -> str:
     tables, _, _ = paired_tables(df, RATIOS, seed=args.seed)
     same = {}
     for unit in DTYPES:
-        ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == f"{unit}-ar").iter_rows(named=True)}
+        ref = {(r["workload"], r["prompt_id"],
+                r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == f"{unit}-ar").iter_rows(named=True)}
         mine = df.filter(pl.col("method") == f"{unit}-best")
-        same[unit] = (sum(r["tokens"] == ref[(r["workload"], r["prompt_id"], r["repeat"])] for r in mine.iter_rows(named=True)), mine.height)
+        same[unit] = (sum(r["tokens"] == ref[(r["workload"], r["prompt_id"], r["repeat"])] for r in mine.iter_rows(named=True)),
+                      mine.height)
     commit = git_commit()
     cmd = "PATH=.venv/bin:$PATH python benchmarks/bench_dtype.py " + " ".join(sys.argv[1:])
     n_req = df.filter(pl.col("method") == "fp32-ar").height
     lines = [
         "## The default run's best method on the fp32 and the bf16 target (`benchmarks/bench_dtype.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}; machine: {os.cpu_count()} CPUs ({cpu_model()}), "
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}; machine: {os.cpu_count()} CPUs "
+        f"({cpu_model()}), "
         f"torch threads {torch.get_num_threads()}",
-        f"- the run's model prepared in {manifest.get('dtype')} (requested `{manifest.get('dtype_requested', manifest.get('dtype'))}`"
+        f"- the run's model prepared in {manifest.get('dtype')} (requested "
+        f"`{manifest.get('dtype_requested', manifest.get('dtype'))}`"
         + (f"; {manifest['dtype_choice']['why']}" if manifest.get("dtype_choice") else "") + ")",
         f"- command: `{cmd}`; {seconds / 60:.1f} min of requests",
-        f"- {n_req} request slots per dtype ({args.prompts} eval prompts per workload x {args.repeats} repeats), {args.max_new_tokens} new "
+        f"- {n_req} request slots per dtype ({args.prompts} eval prompts per workload x {args.repeats} repeats), "
+        f"{args.max_new_tokens} new "
         "tokens each, T=0; per slot the two dtypes in a mirrored seeded order, each running `ar` and the workload's best method",
         f"- best method per workload (the DAG's evaluate, T=0): {', '.join(f'{w}: {m}' for w, m in best.items())}",
-        "- kernel tables: " + "; ".join(f"{k}: {t.key.get('dtype')}, {t.meta.get('seconds', '?')} s of timing" for k, t in tables.items()),
+        "- kernel tables: " + "; ".join(f"{k}: {t.key.get('dtype')}, {t.meta.get('seconds', '?')} s of timing" for k,
+                                        t in tables.items()),
         "",
         *tables,
     ]
-    lines += ["", "Lossless: " + "; ".join(f"{k} best method = {k} AR token for token on {a}/{n} requests" for k, (a, n) in same.items())]
+    lines += ["",
+              "Lossless: " + "; ".join(f"{k} best method = {k} AR token for token on {a}/{n} requests" for k,
+                                       (a, n) in same.items())]
     return "\n".join(lines)
 
 

@@ -70,9 +70,11 @@ def roofline(model, reps: int = 5) -> dict:
         a @ b
         peak.append(2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
     cfg = model.config
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight")) + model.lm_head.weight.numel()
+    matmul_params = sum(p.numel() for n,
+                        p in model.named_parameters() if n.endswith("proj.weight")) + model.lm_head.weight.numel()
     return {"bandwidth_gbs": float(np.median(bw)), "peak_gflops": max(peak), "matmul_params": matmul_params,
-            "kv_bytes_per_row": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4}
+            "kv_bytes_per_row": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                                 * (cfg.hidden_size // cfg.num_attention_heads) * 4}
 
 
 def floor_seconds(roof: dict, n: int, context: int, bytes_per_weight: int) -> float:
@@ -93,7 +95,8 @@ def bench_ar(model, tok, targets: dict, n_tokens: int, reps: int) -> dict[str, l
             ids = tok(p, return_tensors="pt").input_ids
             t0 = time.perf_counter()
             with torch.inference_mode():
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False)
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                               do_sample=False)
             t_hf = time.perf_counter() - t0
             if r > 0:  # first round is warm-up
                 out["transformers generate"].append(n_tokens / t_hf)
@@ -146,7 +149,8 @@ def bench_verify(model, targets: dict, sizes: list[int], context: int, reps: int
             mask[0, 0, :, context:] = torch.where(anc, 0.0, float("-inf"))
             t0 = time.perf_counter()
             with torch.inference_mode():
-                model(input_ids=toks[None], attention_mask=mask, position_ids=(context + depths)[None], cache=hf_cache, use_cache=True)
+                model(input_ids=toks[None], attention_mask=mask, position_ids=(context + depths)[None], cache=hf_cache,
+                      use_cache=True)
             t_hf = time.perf_counter() - t0
             hf_cache.crop(-n)
             if r >= 2:
@@ -165,7 +169,8 @@ def bench_head(heads: dict, targets: dict, context: int, reps: int) -> dict[str,
     res: dict[str, list[float]] = {name: [] for name in heads}
     for name, head in heads.items():
         c = head.cfg
-        head.bench_cache = KVCache(n_layers=1, kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=context + 8, dtype=torch.float32, device="cpu")
+        head.bench_cache = KVCache(n_layers=1, kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=context + 8, dtype=torch.float32,
+                                   device="cpu")
     g = torch.Generator().manual_seed(0)
     for r in range(reps + 2):
         for name, head in heads.items():
@@ -208,7 +213,9 @@ def bench_methods(model, tok, target, n_tokens: int, reps: int, table):
             drafter = make_drafter(dname, target_model=model, max_len=1024, kernels=table)
             if isinstance(drafter, LMDrafter):
                 timed_forwards(drafter.lm)
-        engines.append((label, SpeculativeEngine(target=target, policy=make_policy(method, **args), drafter=drafter, eos_token_id=tok.eos_token_id), drafter))
+        engines.append((label,
+                        SpeculativeEngine(target=target, policy=make_policy(method, **args), drafter=drafter,
+                                          eos_token_id=tok.eos_token_id), drafter))
     rows: dict[str, dict[str, list[float]]] = {label: {"tps": [], "tau": [], "outside": []} for label, *_ in engines}
     for r in range(reps):
         for p in PROMPTS:
@@ -238,7 +245,8 @@ def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
         "## Engine in fp32 and bf16 vs transformers, SmolLM2-135M (`benchmarks/bench_engine.py`)",
         "",
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}; bf16 instructions: {bf16_flags() or 'none'}), torch {torch.__version__} "
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}; bf16 instructions: {bf16_flags() or 'none'}), torch "
+        f"{torch.__version__} "
         f"(threads {torch.get_num_threads()}), transformers {transformers.__version__}",
         f"- reproduce: `{cmd.strip()}`",
         f"- {len(PROMPTS)} prompts, decoders interleaved prompt by prompt, {args.reps} rounds; medians [min, max]",
@@ -253,22 +261,28 @@ def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
     hf = ar["transformers generate"]
     for name in tables:
         ratio = [a / b for a, b in zip(ar[f"engine ar {name}"], hf)]
-        L.append(f"\nEngine {name} / transformers fp32, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, {max(ratio):.2f}]")
+        L.append(f"\nEngine {name} / transformers fp32, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, "
+                 f"{max(ratio):.2f}]")
     if "bf16" in tables:
         ratio = [a / b for a, b in zip(ar["engine ar bf16"], ar["engine ar fp32"])]
-        L.append(f"\n**Engine bf16 / fp32, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, {max(ratio):.2f}]**")
+        L.append(f"\n**Engine bf16 / fp32, paired per prompt: median {np.median(ratio):.2f}x [{min(ratio):.2f}, "
+                 f"{max(ratio):.2f}]**")
     floors = {name: (lambda n, b=BYTES[name]: floor_seconds(roof, n, args.context, b)) for name in tables}
     L += [
         "",
-        f"**Floors of this device:** read bandwidth {roof['bandwidth_gbs']:.1f} GB/s (median sum of a 1 GiB fp32 tensor); a forward reads "
-        f"{roof['matmul_params'] / 1e6:.0f}M matmul weights ({4 * roof['matmul_params'] / 1e6:.0f} MB in fp32, {2 * roof['matmul_params'] / 1e6:.0f} MB in bf16) "
+        f"**Floors of this device:** read bandwidth {roof['bandwidth_gbs']:.1f} GB/s (median sum of a 1 GiB fp32 tensor); a "
+        f"forward reads "
+        f"{roof['matmul_params'] / 1e6:.0f}M matmul weights ({4 * roof['matmul_params'] / 1e6:.0f} MB in fp32, "
+        f"{2 * roof['matmul_params'] / 1e6:.0f} MB in bf16) "
         f"plus the fp32 KV cache: 1-row floor {1e3 * floors['fp32'](1):.1f} ms fp32"
         + (f", {1e3 * floors['bf16'](1):.1f} ms bf16." if "bf16" in tables else "."),
         "",
-        f"**One target forward over a tree of n nodes on a {args.context}-token cache (ms, median of {args.reps * 3}), each dtype on its kernel table; "
+        f"**One target forward over a tree of n nodes on a {args.context}-token cache (ms, median of {args.reps * 3}), each "
+        f"dtype on its kernel table; "
         "transformers (fp32) as is:**",
         "",
-        "| n | " + " | ".join(f"{k} ms | {k} / {k}(1) | {k} / floor" for k in tables) + " | transformers ms | / transformers(1) |",
+        "| n | " + " | ".join(f"{k} ms | {k} / {k}(1) | {k} / floor" for k in tables)
+        + " | transformers ms | / transformers(1) |",
         "|---:|" + "---:|---:|---:|" * len(tables) + "---:|---:|",
     ]
     one = {k: stats(ver[(k, 1)])[0] for k in (*tables, "transformers")}
@@ -281,19 +295,24 @@ def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
         L.append(f"| {n} | " + " | ".join(cells) + f" | {h * 1e3:.1f} | {h / one['transformers']:.2f}x |")
     if head_t:
         L += ["", f"**One draft-head level at w=1** ({args.head or 'an untrained EAGLE-3 head of the target (timing only)'}; "
-              f"head cache of {args.context} rows; right after a target step; ms, median [min, max] of {len(next(iter(head_t.values())))}):", "",
+              f"head cache of {args.context} rows; right after a target step; ms, median [min, max] of "
+              f"{len(next(iter(head_t.values())))}):", "",
               "| dtype | head level ms | floor ms | / floor | / target 1-row step |", "|---|---:|---:|---:|---:|"]
         for k, xs in head_t.items():
             f = head_floor_seconds(heads[k], roof, BYTES[k])
             m, lo, hi = stats(xs)
-            L.append(f"| {k} | {1e3 * m:.2f} [{1e3 * lo:.2f}, {1e3 * hi:.2f}] | {1e3 * f:.2f} | {m / f:.2f}x | {m / one[k]:.2f} |")
+            L.append(f"| {k} | {1e3 * m:.2f} [{1e3 * lo:.2f}, {1e3 * hi:.2f}] | {1e3 * f:.2f} | {m / f:.2f}x "
+                     f"| {m / one[k]:.2f} |")
     for k, table in tables.items():
-        L += ["", f"**Kernel table, {k}** ({table.key['model']}, {table.key['threads']} threads; {table.meta.get('seconds', '?')} s of timing; "
+        L += ["",
+              f"**Kernel table, {k}** ({table.key['model']}, {table.key['threads']} threads; {table.meta.get('seconds', '?')} s "
+              f"of timing; "
               "`kernel->m` = padded to m rows):", "", "```", describe(table), "```"]
     for k, rows in methods.items():
         L += [
             "",
-            f"**Speculative methods, {k} target, {args.tokens} new tokens (complete-request tokens/s, tau with bonus, share of cycle time outside model forwards):**",
+            f"**Speculative methods, {k} target, {args.tokens} new tokens (complete-request tokens/s, tau with bonus, share of "
+            f"cycle time outside model forwards):**",
             "",
             "| method | tokens/s | speedup vs ar | tau | outside forwards |",
             "|---|---:|---:|---:|---:|",
@@ -321,8 +340,10 @@ def bf16_flags() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=REPO / "results" / ".test-cache" / "smollm2", help="a model folder prepared in fp32")
-    ap.add_argument("--head", type=Path, help="a trained draft head folder (default: an untrained head of the target, for timing)")
+    ap.add_argument("--model", type=Path, default=REPO / "results" / ".test-cache" / "smollm2",
+                    help="a model folder prepared in fp32")
+    ap.add_argument("--head", type=Path,
+                    help="a trained draft head folder (default: an untrained head of the target, for timing)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--context", type=int, default=256)
@@ -333,10 +354,10 @@ def main() -> int:
     from ogspo.drafter.head import EagleHead, HeadConfig
     from ogspo.drafter.runtime import load_head
     from ogspo.engine import native
+    from ogspo.engine.model import load_target
     from ogspo.methods.registry import make_target
-    from ogspo.stages.calibrate import calibrate_device_kernels
+    from ogspo.stages.calibrate_kernels import calibrate_device_kernels
     from ogspo.stages.config import load_config
-    from ogspo.stages.model import load_target
 
     model, tok = load_target(args.model, dtype="float32")
     models = {"fp32": model}

@@ -34,11 +34,12 @@ from ogspo.artifacts.settings import default_settings  # noqa: E402
 from ogspo.drafter.train_gto import train_gto  # noqa: E402
 from ogspo.engine.decode import SpeculativeEngine  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
+from ogspo.engine.model import load_target, model_checksum  # noqa: E402
 from ogspo.engine.policies import Autoregressive, DynamicTree  # noqa: E402
+from ogspo.methods.harness import slot_order, slot_seed  # noqa: E402
 from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
-from ogspo.stages.evaluate import load_prompts, slot_order, slot_seed  # noqa: E402
-from ogspo.stages.model import load_target, model_checksum  # noqa: E402
-from ogspo.stages.tune import tune_eagle  # noqa: E402
+from ogspo.stages.evaluate import load_prompts  # noqa: E402
+from ogspo.stages.tune_eagle import tune_eagle  # noqa: E402
 
 HEADS = ("base", "control", "gto")
 
@@ -103,7 +104,8 @@ def main() -> int:
         heads[label], metas[label] = fine_tune(label, omega, args, model, tok)
 
     checksum = model_checksum(args.model)
-    drafters = {h: make_drafter("eagle", target_model=model, max_len=2048, path=heads[h], target_checksum=checksum) for h in HEADS}
+    drafters = {h: make_drafter("eagle", target_model=model, max_len=2048, path=heads[h],
+                                target_checksum=checksum) for h in HEADS}
     target = make_target(model, max_len=2048, drafter=drafters["base"], kernels=read_kernel_table(args.kernels))
     files = sorted(args.workloads.glob("*.parquet"))
     evals = load_prompts(files, tok, split="eval", n=args.prompts)
@@ -157,12 +159,16 @@ def main() -> int:
     lines = [
         "## GTO head vs its control and the train_drafter head (`benchmarks/bench_gto.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch "
+        f"{torch.__version__}",
         f"- reproduce: `{cmd.strip()}` (after `make run` has trained the base head and cached its data)",
-        f"- decoding with the kernel table {args.kernels.relative_to(REPO) if args.kernels.is_relative_to(REPO) else args.kernels}",
-        f"- base head: {metas['base']['train']['steps']} steps; held-out TTT top-1 {[round(a, 3) for a in metas['base']['metrics']['val_top1']]}",
+        f"- decoding with the kernel table "
+        f"{args.kernels.relative_to(REPO) if args.kernels.is_relative_to(REPO) else args.kernels}",
+        f"- base head: {metas['base']['train']['steps']} steps; held-out TTT top-1 "
+        f"{[round(a, 3) for a in metas['base']['metrics']['val_top1']]}",
         f"- fine-tuning from it, {gcfg['steps']} steps each, lr {gcfg['lr']}, token batch {gcfg['batch_size']} windows, "
-        f"{gcfg['groups']} group(s) of m = {gcfg['group']} positions per step, trees {gcfg['tree']} [total_tokens, depth, top_k], "
+        f"{gcfg['groups']} group(s) of m = {gcfg['group']} positions per step, trees {gcfg['tree']} [total_tokens, depth, "
+        f"top_k], "
         f"eps {gcfg['eps']}, delta {gcfg['delta']}, eta {gcfg['eta']}:",
         f"  - GTO (omega {gcfg['omega']}): {g['gto']['seconds'] / 60:.1f} min; held-out Draft Tree Reward "
         f"{g['gto']['reward_before']:.3f} -> {g['gto']['reward_after']:.3f}, greedy-accepted tokens per tree "
@@ -190,10 +196,13 @@ def main() -> int:
                          f"| {fmt(paired(rc))} | {fmt(paired(rb))} |")
         summary[temp] = (paired(all_c), paired(all_b))
         lines.append(f"| {temp:g} | **all** | | | | **{fmt(summary[temp][0])}** | {fmt(summary[temp][1])} |")
-    lines += [] if args.tau_only else ["", f"Tuned EAGLE-3 per head (grid {grid} on {args.tune_prompts} calib prompts per workload), then on the eval "
+    lines += [] if args.tau_only else ["",
+                                       f"Tuned EAGLE-3 per head (grid {grid} on {args.tune_prompts} calib prompts per workload), "
+                                       f"then on the eval "
               f"prompts beside autoregressive decoding, interleaved; {speed_s / 60:.1f} min. Median tokens/s and mean "
               "per-request throughput ratio [95%]:", "",
-              "| T | workload | tuned tree base | tuned tree GTO | ar | base | GTO | GTO / base |", "|---:|---|---|---|---:|---:|---:|---:|"]
+              "| T | workload | tuned tree base | tuned tree GTO | ar | base | GTO | GTO / base |",
+              "|---:|---|---|---|---:|---:|---:|---:|"]
     for temp, per in speed.items():
         allr = []
         for w, d in per.items():

@@ -3,12 +3,12 @@
     PATH=.venv/bin:$PATH python benchmarks/bench_heads.py --head today=DIR --head new=results/cpu/drafter [--write]
 
 Per head, as the workflow does it for its own head (default config, same calib prompts): posterior
-records on the calib prompts (`stages.records.collect_records`, both temperatures), Sequoia's tree
-from them (`stages.sequoia.build_sequoia`, with the run's latency.json), and the EAGLE-3 grid tuned
-with Sequoia beside it (`stages.tune.tune_eagle`). Then, on the eval prompts, autoregressive decoding
+records on the calib prompts (`stages.collect_records.collect_records`, both temperatures), Sequoia's tree
+from them (`stages.build_sequoia.build_sequoia`, with the run's latency.json), and the EAGLE-3 grid tuned
+with Sequoia beside it (`stages.tune_eagle.tune_eagle`). Then, on the eval prompts, autoregressive decoding
 and every head's tuned EAGLE-3 tree and Sequoia tree, in mirrored seeded orders per pair of prompts
 (`stages.evaluate.slot_order`), every request the same length: the paired per-request ratio of the
-second head to the first for each baseline, with 95% bootstrap intervals (`stages.compare`), and the
+second head to the first for each baseline, with 95% bootstrap intervals (`analysis.compare`), and the
 tuned trees side by side. Records, trees and tunings land in --out and are reused when present.
 """
 
@@ -46,28 +46,20 @@ def main() -> int:
     if len(heads) != 2:
         ap.error("give exactly two --head NAME=DIR")
 
+    from ogspo.analysis.compare import ratio_intervals
+    from ogspo.artifacts.records import temperature_tag
     from ogspo.artifacts.settings import default_settings
     from ogspo.artifacts.structure import load_structure
     from ogspo.engine.kernels import read_kernel_table
+    from ogspo.engine.model import load_target, model_checksum
     from ogspo.engine.policies import Autoregressive, DynamicTree
     from ogspo.engine.tree import Structure
-    from ogspo.methods.registry import make_drafter, make_target
-    from ogspo.stages.compare import ratio_intervals
-    from ogspo.stages.evaluate import (
-        MethodSpec,
-        load_prompts,
-        make_method_engine,
-        pair_seed,
-        run_request,
-        slot_order,
-        slot_seed,
-        structure_policy,
-    )
-    from ogspo.stages.model import load_target, model_checksum
-    from ogspo.stages.records import collect_records, read_calib_table
-    from ogspo.stages.sequoia import build_sequoia
-    from ogspo.stages.summary import temperature_tag
-    from ogspo.stages.tune import tune_eagle, write_tuning
+    from ogspo.methods.harness import make_method_engine, pair_seed, run_request, slot_order, slot_seed
+    from ogspo.methods.registry import MethodSpec, make_drafter, make_target, structure_policy
+    from ogspo.stages.build_sequoia import build_sequoia
+    from ogspo.stages.collect_records import collect_records, read_calib_table
+    from ogspo.stages.evaluate import load_prompts
+    from ogspo.stages.tune_eagle import tune_eagle, write_tuning
 
     rc, ev = default_settings("records"), default_settings("evaluate")
     temps = [float(t) for t in rc["temperatures"]]
@@ -139,7 +131,8 @@ def main() -> int:
     lines = [
         "## Two draft heads through tuned EAGLE-3 and Sequoia (`benchmarks/bench_heads.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch "
+        f"{torch.__version__}",
         f"- reproduce: `PATH=.venv/bin:$PATH python benchmarks/bench_heads.py {' '.join(sys.argv[1:])}`",
         f"- heads: {', '.join(f'{h} = `{p}`' for h, p in heads.items())}; per head, records, Sequoia and EAGLE-3 tuning on the "
         f"calib prompts as the workflow makes them ({prep_s / 60:.1f} min); then {args.prompts} eval prompts per workload, "
@@ -161,7 +154,8 @@ def main() -> int:
                 trees = "; ".join(f"{h}: {len(load_structure(sequoia[h][tag]))} nodes" for h in heads)
             lines.append(f"| {kind} | {t:g} | {pooled.text() if pooled else '-'} | {cells} | {trees} |")
         lines.append(f"| {kind} | all | {iv['pooled'].text() if iv['pooled'] else '-'} | | |")
-    med = df.group_by(["temperature", "workload", "method"]).agg(pl.col("throughput").median()).sort(["temperature", "workload", "method"])
+    med = df.group_by(["temperature", "workload",
+                       "method"]).agg(pl.col("throughput").median()).sort(["temperature", "workload", "method"])
     lines += ["", "Median tokens/s per cell:", "", "| T | workload | " + " | ".join(sorted(set(df["method"]))) + " |",
               "|---:|---|" + "---:|" * len(set(df["method"]))]
     for (t, w), g in med.group_by(["temperature", "workload"], maintain_order=True):

@@ -63,16 +63,17 @@ def main() -> int:
 
     from ogspo.engine.decode import SpeculativeEngine
     from ogspo.engine.kernels import describe, read_kernel_table
+    from ogspo.engine.model import load_target, model_checksum
     from ogspo.engine.policies import Autoregressive, DynamicTree
     from ogspo.methods.registry import make_drafter, make_target
     from ogspo.stages.measure_drafter import eval_prompts
-    from ogspo.stages.model import load_target, model_checksum
 
     trees = [tuple(int(v) for v in t.split(",")) for t in args.trees]
     model, tok = load_target(args.model)
     after = read_kernel_table(args.kernels)
     tables = {"before": legacy_table(after.shapes), "after": after}
-    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=args.drafter, target_checksum=model_checksum(args.model))
+    drafter = make_drafter("eagle", target_model=model, max_len=2048, path=args.drafter,
+                           target_checksum=model_checksum(args.model))
     targets = {k: make_target(model, max_len=2048, drafter=drafter, kernels=t) for k, t in tables.items()}
     prompts = eval_prompts(args.workloads, tok, args.prompts)
     methods = [("ar", None)] + [(f"eagle {a}/{b}/{c}", DynamicTree(total_tokens=a, depth=b, top_k=c)) for a, b, c in trees]
@@ -85,7 +86,8 @@ def main() -> int:
             for i, prompt in enumerate(plist):
                 order = runs[i % len(runs):] + runs[: i % len(runs)]
                 for k, name, pol in order:
-                    engine = SpeculativeEngine(target=targets[k], policy=pol or Autoregressive(), drafter=drafter if pol else None,
+                    engine = SpeculativeEngine(target=targets[k], policy=pol or Autoregressive(),
+                                               drafter=drafter if pol else None,
                                                temperature=temp, eos_token_id=tok.eos_token_id)
                     res = engine.generate(prompt, max_new_tokens=args.tokens, seed=1000 + i)
                     tps.setdefault((temp, w, k, name), []).append(res.throughput)
@@ -95,13 +97,16 @@ def main() -> int:
     L = [
         "## EAGLE-3 before/after the kernel table, same head (`benchmarks/bench_kernels.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__}",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch "
+        f"{torch.__version__}",
         f"- reproduce: `{cmd.strip()}` (after `make run`)",
-        f"- {args.prompts} eval prompts per workload x {args.tokens} new tokens; AR and {len(trees)} EAGLE-3 trees under both tables, "
+        f"- {args.prompts} eval prompts per workload x {args.tokens} new tokens; AR and {len(trees)} EAGLE-3 trees under both "
+        f"tables, "
         "interleaved in rotated order per request; speedup = median per-prompt throughput ratio to the faster AR decoder "
         "of the two, [95% bootstrap interval]; fastest tree chosen on these prompts for each table",
         "",
-        "| workload | T | AR tok/s before | AR tok/s after | fastest tree before | tau | speedup | fastest tree after | tau | speedup |",
+        "| workload | T | AR tok/s before | AR tok/s after | fastest tree before | tau | speedup | fastest tree after | tau | "
+        "speedup |",
         "|---|---:|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     for temp in args.temperatures:
@@ -114,7 +119,8 @@ def main() -> int:
                 lo, hi = bootstrap(ratio)
                 cells.append(f"{best.removeprefix('eagle ')} | {np.median(taus[(temp, w, k, best)]):.2f} | "
                              f"{np.median(ratio):.2f}x [{lo:.2f}, {hi:.2f}]")
-            L.append(f"| {w} | {temp:g} | {np.median(tps[(temp, w, 'before', 'ar')]):.1f} | {np.median(tps[(temp, w, 'after', 'ar')]):.1f} | "
+            L.append(f"| {w} | {temp:g} | {np.median(tps[(temp, w, 'before', 'ar')]):.1f} | "
+                     f"{np.median(tps[(temp, w, 'after', 'ar')]):.1f} | "
                      + " | ".join(cells) + " |")
     L += ["", "Every tree, median speedup over the faster AR (before -> after):", "",
           "| tree | " + " | ".join(f"{w} T={t:g}" for t in args.temperatures for w in prompts) + " |",

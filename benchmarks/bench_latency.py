@@ -23,7 +23,7 @@ from benchdoc import REPO, cpu_model, git_commit, load_run, write_section  # noq
 
 
 def main() -> None:
-    from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_latency, plot_calibration
+    from ogspo.stages.calibrate_latency import CALIBRATION_TEXT, calibrate_latency, plot_calibration
     from ogspo.stages.config import load_config
 
     ap = argparse.ArgumentParser()

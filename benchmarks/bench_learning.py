@@ -86,7 +86,8 @@ def main() -> None:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     lines = ["## Learning curve of the stop policy (bench_learning)", "",
-             f"CPU: {cpu_model()}. Records and latency model of `{args.results.relative_to(REPO) if args.results.is_relative_to(REPO) else args.results}`; "
+             f"CPU: {cpu_model()}. Records and latency model of "
+             f"`{args.results.relative_to(REPO) if args.results.is_relative_to(REPO) else args.results}`; "
              f"the oracle's structure; a fixed 25% of the record requests held out; {args.seeds} seeds per share. "
              "Share = (J_policy - J_best_fixed_depth) / (J_posterior_bound - J_best_fixed_depth) on the held-out cycles "
              "(1 = the stop-only oracle for S, 0 = no better than the best fixed depth).", ""]
@@ -99,7 +100,8 @@ def main() -> None:
                   f"{info['held_out_requests']} requests / {info['held_out_cycles']} cycles; best fixed depth "
                   f"{info['best_fixed']:.2f} tok/s, stop-only bound {info['bound']:.2f} tok/s "
                   f"({info['bound'] / info['best_fixed']:.3f}x)", "",
-                  "| share of train requests | requests | cycles | held-out J (median) | share of the oracle's gain: median [min, max] |",
+                  "| share of train requests | requests | cycles | held-out J (median) | share of the oracle's gain: median "
+                  "[min, max] |",
                   "|---:|---:|---:|---:|---|"]
         for r in rows:
             sh = [x for x in r["share"] if np.isfinite(x)]

@@ -53,7 +53,7 @@ def bench_step(model_dir: Path, context: int, sizes: list[int], reps: int, warmu
     import torch
     from transformers import DynamicCache
 
-    from ogspo.stages.model import load_target
+    from ogspo.engine.model import load_target
 
     model, _ = load_target(model_dir)
     gen = torch.Generator().manual_seed(seed)
@@ -147,7 +147,8 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help=f"update this script's section of {DOC.relative_to(REPO)}")
     args = ap.parse_args()
 
-    from ogspo.stages.model import MANIFEST, prepare_model
+    from ogspo.engine.model import MANIFEST
+    from ogspo.stages.prepare_model import prepare_model
 
     if not (args.model / MANIFEST).is_file():
         prepare_model(source=SOURCE, out_dir=args.model, dtype="float32")

@@ -13,10 +13,11 @@ test`: the first run compiles llama.cpp for minutes and builds the converter's o
    template, no BOS added), the same number of new tokens with EOS ignored, T=0, the same thread
    count. llama.cpp AR in f32, bf16 and Q4_1 and its n-gram lookup decoding (f32) through
    `llama-server` (started per request and stopped again, so no two thread pools ever run at once);
-   ogspo's AR and its speculative methods in the run's target dtype (`dtype`, bf16 where `auto` chose it) in this process. Per request
+   ogspo's AR and its speculative methods in the run's target dtype (`dtype`, bf16 where `auto` chose it) in this process.
+   Per request
    slot the methods run in a mirrored seeded order (`stages.evaluate.slot_order`); every slot is
    repeated. Complete-request throughput (prompt + decode, each program's own clock), paired ratios
-   with 95% bootstrap intervals (`stages.compare`), and at T=0 whether llama.cpp's tokens equal
+   with 95% bootstrap intervals (`analysis.compare`), and at T=0 whether llama.cpp's tokens equal
    ogspo's AR tokens and where they first diverge. "EOS ignored" differs in one respect: llama.cpp's
    `ignore_eos` bans end-of-generation tokens, while ogspo (evaluate's equal-work rule) generates
    through them, so where greedy decoding picks EOS the two texts part there (counted apart).
@@ -64,10 +65,16 @@ from llamacpp import (  # noqa: E402
 from ogspo.artifacts.latency import LatencyModel  # noqa: E402
 from ogspo.artifacts.records import load_records  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
-from ogspo.methods.registry import make_drafter, make_target  # noqa: E402
+from ogspo.engine.model import load_target, read_manifest  # noqa: E402
+from ogspo.methods.harness import pair_seed, slot_order  # noqa: E402
+from ogspo.methods.registry import (  # noqa: E402
+    make_drafter,
+    make_target,
+    method_specs,  # noqa: E402
+)
 from ogspo.offline.chain import chain_cycles, choose_chain, fit_chain_costs, replay_chain  # noqa: E402
-from ogspo.stages.evaluate import evaluate_methods, load_prompts, method_specs, pair_seed, slot_order  # noqa: E402
-from ogspo.stages.model import load_target, read_manifest, resolve_gguf  # noqa: E402
+from ogspo.stages.evaluate import evaluate_methods, load_prompts  # noqa: E402
+from ogspo.stages.prepare_model import resolve_gguf  # noqa: E402
 
 SPEC_METHODS = ("eagle-tuned", "sequoia", "ogspo")
 LOOKUP = ("--spec-type", "ngram-cache")
@@ -198,7 +205,8 @@ def main() -> int:
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     drafter, head_dir = run_head(res, model, checksum, kernels)
     target = make_target(model, max_len=4096, drafter=drafter, kernels=kernels)
-    artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"), "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
+    artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"),
+                 "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
                  "ogspo": str(res / "policy" / "{T}")}
     specs = method_specs(methods=["ar", *SPEC_METHODS], chains=[], eagle_default=[])
     best = dag_best(res / "evaluate" / "summary.json", SPEC_METHODS)
@@ -308,7 +316,8 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
            seconds: float, chains: dict, costs: dict, lossless: dict) -> tuple[str, dict]:
     methods = list(dict.fromkeys(df["method"].to_list()))
     tables, med, ratios = paired_tables(df, RATIOS, seed=args.seed)
-    ref = {(r["workload"], r["prompt_id"], r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == "ogspo-ar").iter_rows(named=True)}
+    ref = {(r["workload"], r["prompt_id"],
+            r["repeat"]): r["tokens"] for r in df.filter(pl.col("method") == "ogspo-ar").iter_rows(named=True)}
     same = {}
     for m in (m for m in methods if m.startswith("llama.cpp") and "eagle3" not in m):
         div = []
@@ -357,22 +366,26 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
               f"forward of 1 / 2 / 4 / 9 rows at {next(iter(costs.values()))['depth']} tokens of context (`llama-bench -d`), "
               "a head pass and the rest of a speculative cycle (fitted on chains of "
               f"{' and '.join(map(str, COST_CHAINS))} without a stop), an AR token:", "",
-              "| target file | verify 1 | 2 | 4 | 9 | head pass | rest of a cycle | AR token |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| target file | verify 1 | 2 | 4 | 9 | head pass | rest of a cycle | AR token |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for f, c in costs.items():
         v = c["verify_ms"]
-        lines.append(f"| {f} | {v[0]:.2f} | {v[1]:.2f} | {v[3]:.2f} | {v[8]:.2f} | {c['level_ms']:.2f} | {c['other_ms']:.2f} | {c['ar_ms']:.2f} |")
+        lines.append(f"| {f} | {v[0]:.2f} | {v[1]:.2f} | {v[3]:.2f} | {v[8]:.2f} | {c['level_ms']:.2f} | {c['other_ms']:.2f} | "
+                     f"{c['ar_ms']:.2f} |")
     lines += ["", "Settings chosen on the run's T=0 records (calib prompts; replayed tokens/s with these costs, "
               "accepted / drafted) against llama.cpp's default (N=3, P=0) replayed the same way, and what llama.cpp "
               "realised here (accepted / drafted over the eval requests):", "",
               "| target file | workload | N | P | replayed / AR | default replayed / AR | acceptance replayed, ogspo's settings "
-              "| llama.cpp, ogspo's settings | replayed, default | llama.cpp, default |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| llama.cpp, ogspo's settings | replayed, default | llama.cpp, default |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (f, w), c in chains.items():
         def real(unit):
             sub = df.filter((pl.col("method") == unit) & (pl.col("workload") == w))
             return f"{sub['accepted'].sum() / sub['drafted'].sum():.2f}" if sub.height and sub["drafted"].sum() else "- (off)"
         ar = c["ar_tokens_per_second"]
         lines.append(f"| {f} | {w} | {c['n_max'] or 'off'} | {c['p_min']:g} | {c['tokens_per_second'] / ar:.3f} | "
-                     f"{c['default_tokens_per_second'] / ar:.3f} | {c['acceptance']:.2f} | {real(f'llama.cpp-eagle3-ogspo-{f}')} | "
+                     f"{c['default_tokens_per_second'] / ar:.3f} | {c['acceptance']:.2f} | {real(f'llama.cpp-eagle3-ogspo-{f}')} "
+                     f"| "
                      f"{c['default_acceptance']:.2f} | {real(f'llama.cpp-eagle3-{f}')} |")
     lines += ["", "T=0 tokens of llama.cpp with the head against llama.cpp AR on the same file and slot; at a divergence, "
               "AR's log-probability margin between its two best candidates there and whether the head run's token is "
@@ -380,7 +393,8 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
     for unit, s in lossless.items():
         divs = s["divergences"]
         lines.append(f"- {unit}: {s['equal']}/{s['n']} equal" + (
-            "; divergences at " + ", ".join(f"{d['at']} (margin {d['margin']:.3f}, {'runner-up' if d['runner_up'] else 'NOT the runner-up'})"
+            "; divergences at "
+            + ", ".join(f"{d['at']} (margin {d['margin']:.3f}, {'runner-up' if d['runner_up'] else 'NOT the runner-up'})"
                                             for d in divs) if divs else ""))
     lines.append("- The replayed figures price q (the head's probability over the whole draft vocabulary) against P, "
                  "while llama.cpp renormalises over the head's top 10: its P stops no earlier than replayed.")

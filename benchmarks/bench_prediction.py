@@ -33,18 +33,10 @@ CELL_BAND = (0.90, 1.10)
 
 def main() -> None:
     from ogspo.artifacts.latency import LatencyModel
-    from ogspo.stages.evaluate import (
-        MethodSpec,
-        SpeedProbe,
-        build_policy,
-        load_prompts,
-        make_method_engine,
-        pair_seed,
-        run_request,
-        slot_order,
-        slot_seed,
-    )
-    from ogspo.stages.summary import temperature_tag
+    from ogspo.artifacts.records import temperature_tag
+    from ogspo.methods.harness import SpeedProbe, make_method_engine, pair_seed, run_request, slot_order, slot_seed
+    from ogspo.methods.registry import MethodSpec, build_policy
+    from ogspo.stages.evaluate import load_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", type=Path, default=REPO / "results/cpu")
@@ -84,7 +76,8 @@ def main() -> None:
                                                         (fig["predicted_seconds"] - r.prefill_seconds) / n))
         print(f"T={temp:g} done", flush=True)
     cells = sorted({c for _, c in ratios}, key=lambda c: (c.split(" T=")[1], c))
-    lines = ["| method | requests | pooled predicted / realised (median) | in 0.95-1.05 | cells (median) | all cells in 0.90-1.10 "
+    lines = ["| method | requests | pooled predicted / realised (median) | in 0.95-1.05 | cells (median) | all cells in "
+             "0.90-1.10 "
              "| realised ms/cycle | modelled ms/cycle |", "|---|---:|---:|---|---|---|---:|---:|"]
     for s in specs:
         pooled = [v for (m, _), vs in ratios.items() if m == s.name for v in vs]

@@ -70,12 +70,12 @@ def replay_speed(K: int = 2000, C: int = 2000, seed: int = 0) -> tuple[float, in
 def main() -> None:
     from ogspo.artifacts.records import load_records
     from ogspo.engine.decode import SpeculativeEngine
+    from ogspo.engine.model import load_target
     from ogspo.engine.policies import StaticTree
     from ogspo.engine.tree import Structure
     from ogspo.methods.registry import make_drafter, make_target
     from ogspo.offline.replay import replay, replay_cycles
-    from ogspo.stages.model import load_target
-    from ogspo.stages.records import collect_records
+    from ogspo.stages.collect_records import collect_records
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=REPO / "results/.test-cache/smollm2")
@@ -93,7 +93,8 @@ def main() -> None:
     for temp in (0.0, 1.0):
         with tempfile.TemporaryDirectory() as d:
             collect_records(target=target, drafter=drafter, template=T, prompts=prompts, temperature=temp, seed=0,
-                            max_new_tokens=args.max_new_tokens, out_dir=Path(d), shard_size=1, model_checksum="x", drafter_id="ee")
+                            max_new_tokens=args.max_new_tokens, out_dir=Path(d), shard_size=1, model_checksum="x",
+                            drafter_id="ee")
             rec = load_records(Path(d))
         cyc = replay_cycles(rec)
         for name, S in subs:
@@ -105,7 +106,8 @@ def main() -> None:
                 for c, row in enumerate(rec.cycles.iter_rows(named=True)):
                     prompt = prompts[int(row["request_id"][1:])]
                     out = done.setdefault(row["request_id"], [row["root_token"]])
-                    st, committed = engine.cycle_from(prompt + out[:-1], out[-1], request_seed=row["request_seed"], index=row["cycle"])
+                    st, committed = engine.cycle_from(prompt + out[:-1], out[-1], request_seed=row["request_seed"],
+                                                      index=row["cycle"])
                     A = int(res.accepted[0, c])
                     same += st.accepted == A and committed[: A - 1] == row["committed"][: A - 1]
                     total += 1

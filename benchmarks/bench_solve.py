@@ -26,6 +26,13 @@ from ogspo.offline.solve import combine_cycles, solve_oracle, solve_structure
 from ogspo.stages.config import load_config
 
 
+def _cells(r) -> str:
+    """A solve's table cells from the iterations to the lambda history."""
+    lambdas = ", ".join(f"{x:.4f}" for x in r.lambdas)
+    return (f"{r.iterations} | {r.solve_seconds:.1f} | {r.throughput:.4f} | {r.ratio_upper_bound:.4f} | {len(r.structure)} "
+            f"| {lambdas}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cycles", type=int, default=300)
@@ -65,8 +72,8 @@ Inputs: {source}.
 
 | MIFP | cycles | groups | Dinkelbach iterations | solve s (total) | ratio (tokens/s) | upper bound | |S| | lambda history |
 |---|---|---|---|---|---|---|---|---|
-| oracle (per-group depths) | {res.n_cycles} | {res.n_groups} | {res.iterations} | {res.solve_seconds:.1f} | {res.throughput:.4f} | {res.ratio_upper_bound:.4f} | {len(res.structure)} | {', '.join(f'{x:.4f}' for x in res.lambdas)} |
-| structure update (fixed geometric stop policy) | {st.n_cycles} | – | {st.iterations} | {st.solve_seconds:.1f} | {st.throughput:.4f} | {st.ratio_upper_bound:.4f} | {len(st.structure)} | {', '.join(f'{x:.4f}' for x in st.lambdas)} |
+| oracle (per-group depths) | {res.n_cycles} | {res.n_groups} | {_cells(res)} |
+| structure update (fixed geometric stop policy) | {st.n_cycles} | – | {_cells(st)} |
 
 Oracle start: {res.start}; mean stop depth {res.mean_depth:.2f}, mean accepted {res.mean_accepted:.2f} tokens/cycle;
 SCIP statuses {res.statuses}. Acceptance target: at most 30 s per MIFP on this CPU

@@ -36,11 +36,11 @@ def head_dirs(specs: list[str], error) -> dict[str, Path]:
 def paired_tables(df, pairs, *, seed: int = 0) -> tuple[list[str], dict, dict]:
     """Two markdown tables of a T=0 request frame (columns method, workload, throughput and the slot
     keys): median complete-request tokens/s per method and workload, and the paired ratios
-    (`stages.compare.ratio_intervals`) of every (method, baseline) in `pairs` that ran. Returns
+    (`analysis.compare.ratio_intervals`) of every (method, baseline) in `pairs` that ran. Returns
     (lines, medians {(method, workload): tokens/s}, ratios {"method / baseline": intervals})."""
     import polars as pl
 
-    from ogspo.stages.compare import ratio_intervals
+    from ogspo.analysis.compare import ratio_intervals
 
     methods = list(dict.fromkeys(df["method"].to_list()))
     workloads = list(dict.fromkeys(df["workload"].to_list()))
@@ -83,8 +83,8 @@ def load_run(results: Path, max_len: int = 2048):
     """(model checksum, tokenizer, target, EAGLE drafter) of a `make run` folder: its prepared model, kernel
     table and draft head, as the workflow's rules load them."""
     from ogspo.engine.kernels import read_kernel_table
+    from ogspo.engine.model import load_target, read_manifest
     from ogspo.methods.registry import make_drafter, make_target
-    from ogspo.stages.model import load_target, read_manifest
 
     checksum = read_manifest(results / "model")["checksum_sha256"]
     model, tok = load_target(results / "model")

@@ -82,7 +82,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _policies():
-    return [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
+    return [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])),
+            DynamicTree(total_tokens=12, depth=4, top_k=3)]
 
 
 def check_lossless(device: torch.device, n: int = 30) -> list[str]:
@@ -101,11 +102,14 @@ def check_lossless(device: torch.device, n: int = 30) -> list[str]:
                 if got != ref:
                     raise AssertionError(f"fp32 {policy.name} + {drafter.name} differs from greedy on {device}: {got} vs {ref}")
                 checked += 1
-        a = SpeculativeEngine(target=target, policy=_policies()[2], drafter=eagle, temperature=1.0).generate(prompt, max_new_tokens=n, seed=4)
-        b = SpeculativeEngine(target=target, policy=_policies()[2], drafter=eagle, temperature=1.0).generate(prompt, max_new_tokens=n, seed=4)
+        a = SpeculativeEngine(target=target, policy=_policies()[2], drafter=eagle,
+                              temperature=1.0).generate(prompt, max_new_tokens=n, seed=4)
+        b = SpeculativeEngine(target=target, policy=_policies()[2], drafter=eagle,
+                              temperature=1.0).generate(prompt, max_new_tokens=n, seed=4)
         if a.tokens != b.tokens:
             raise AssertionError(f"T=1 decoding with one seed is not reproducible on {device}")
-    rows.append(f"| fp32 T=0: 3 policies x 2 drafters x {len(PROMPTS)} prompts vs transformers greedy | {checked}/{checked} identical |")
+    rows.append(f"| fp32 T=0: 3 policies x 2 drafters x {len(PROMPTS)} prompts vs transformers greedy | {checked}/{checked} "
+                f"identical |")
     rows.append("| fp32 T=1: dynamic tree, same seed twice | identical |")
     bf = tiny_llama(0, dtype=torch.bfloat16, device=device)
     bt = LlamaTreeLM(bf, max_len=256)

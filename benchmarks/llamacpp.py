@@ -125,7 +125,8 @@ def converter_python(cache: Path | None = None, *, log=print) -> Path:
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *CONVERTER_PACKAGES], capture_output=True, text=True)
     if proc.returncode != 0:
         shutil.rmtree(venv, ignore_errors=True)
-        raise RuntimeError(f"installing {' '.join(CONVERTER_PACKAGES)} into {venv} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"installing {' '.join(CONVERTER_PACKAGES)} into {venv} failed: "
+                           f"{proc.stderr.strip().splitlines()[-1:]}")
     (venv / "ready").write_text(" ".join(CONVERTER_PACKAGES))
     return python
 

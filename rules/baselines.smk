@@ -14,7 +14,7 @@ rule build_sequoia:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "baselines"),
+        config=stage_config(config, "build_sequoia"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
         f"{RESULTS}/logs/build_sequoia/T{{temperature}}.log",
@@ -40,7 +40,7 @@ rule train_routing:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "baselines", "seed"),
+        config=stage_config(config, "train_routing"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
         f"{RESULTS}/logs/train_routing/T{{temperature}}.log",

@@ -11,7 +11,7 @@ rule calibrate_latency:
         json=f"{RESULTS}/latency/latency.json",
         png=report(f"{RESULTS}/latency/latency.png", caption="../workflow/report/latency_fit.rst", category="Latency model"),
     params:
-        config=config_json(config, "latency", "seed", "torch_device"),
+        config=stage_config(config, "calibrate_latency"),
     log:
         f"{RESULTS}/logs/calibrate_latency.log",
     benchmark:

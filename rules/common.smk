@@ -1,9 +1,11 @@
 # Shared by all stages: config validation and paths. Included by the Snakefile after rules/device.smk.
-# Rules pass their stage exactly the config sections it reads: params: config=config_json(config, ...)
+# Rules pass their stage exactly the config sections it reads (declared once in ogspo.stages.registry):
+#   params: config=stage_config(config, "<rule name>")
 import sys
 
-from ogspo.stages.config import ConfigError, config_json, load_config
-from ogspo.stages.model import model_memory_mb
+from ogspo.stages.config import ConfigError, load_config
+from ogspo.stages.registry import stage_config
+from ogspo.engine.model import model_memory_mb
 
 # Validate before any rule exists: a bad config stops here with one line naming the key.
 try:

@@ -11,7 +11,7 @@ rule train_drafter:
     output:
         directory(f"{RESULTS}/drafter"),
     params:
-        config=config_json(config, "drafter", "seed", "workloads", "torch_device", omit=("drafter.gto",)),
+        config=stage_config(config, "train_drafter"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
         work_dir=f"{RESULTS}/work/drafter",
     log:
@@ -38,7 +38,7 @@ rule train_gto:
     output:
         directory(f"{RESULTS}/drafter_gto"),
     params:
-        config=config_json(config, "drafter", "seed", "workloads", "torch_device"),
+        config=stage_config(config, "train_gto"),
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
     log:
         f"{RESULTS}/logs/train_gto.log",
@@ -66,7 +66,7 @@ rule measure_drafter:
         json=f"{RESULTS}/drafter_eval/acceptance.json",
         md=f"{RESULTS}/drafter_eval/acceptance.md",
     params:
-        config=config_json(config, "measure_drafter", "seed", "torch_device"),
+        config=stage_config(config, "measure_drafter"),
         gto=f"--gto-drafter {HEADS['gto']}" if "gto" in HEADS else "",
         workloads_dir=lambda wildcards, input: os.path.dirname(input.workloads[0]),
     log:

@@ -9,20 +9,11 @@
 # - report: report/summary.json, report.md and PNG plots.
 # Method artifacts are passed as path templates, {T} = temperature tag (T0, T1).
 
-from ogspo.methods.registry import ARTIFACT_KINDS
+from ogspo.methods.registry import artifact_inputs
 
-EVAL_METHODS = config["evaluate"]["methods"]
-# method kind -> (input folder/file per temperature tag, path template passed to `ogspo evaluate --artifact`)
-EVAL_ARTIFACTS = {
-    "eagle-tuned": (f"{RESULTS}/evaluate/tune_{{T}}.json", f"{RESULTS}/evaluate/tune_{{T}}.json"),
-    "sequoia": (f"{RESULTS}/sequoia/{{T}}", f"{RESULTS}/sequoia/{{T}}/structure.json"),
-    "routing": (f"{RESULTS}/routing/{{T}}", f"{RESULTS}/routing/{{T}}/router.json"),
-    "ogspo": (f"{RESULTS}/policy/{{T}}", f"{RESULTS}/policy/{{T}}"),
-    "ogspo-structure": (f"{RESULTS}/policy/{{T}}", f"{RESULTS}/policy/{{T}}/structure.json"),
-    "ogspo-policy": (f"{RESULTS}/ablation/policy_only/{{T}}", f"{RESULTS}/ablation/policy_only/{{T}}"),
-}
-assert set(EVAL_ARTIFACTS) == set(ARTIFACT_KINDS), "rules/evaluate.smk: EVAL_ARTIFACTS must map every artifact kind of ogspo.methods.registry"
-EVAL_ARTIFACT_KINDS = [m for m in EVAL_METHODS if m in EVAL_ARTIFACTS]
+# method kind -> (its artifact per temperature tag, the path template `ogspo evaluate --artifact` hands it),
+# from each method's record (ogspo.methods.registry.METHOD_RECORDS)
+EVAL_ARTIFACTS = artifact_inputs(config["evaluate"]["methods"], RESULTS)
 
 
 rule tune_eagle:
@@ -37,7 +28,7 @@ rule tune_eagle:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "evaluate", "records", "seed", "torch_device"),
+        config=stage_config(config, "tune_eagle"),
     log:
         f"{RESULTS}/logs/tune_eagle/T{{temperature}}.log",
     benchmark:
@@ -63,15 +54,15 @@ rule evaluate:
         latency=f"{RESULTS}/latency/latency.json",
         kernels=KERNELS,
         oracle=expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
-        artifacts=sorted({EVAL_ARTIFACTS[k][0].format(T=tag) for k in EVAL_ARTIFACT_KINDS for tag in RECORD_TEMPERATURES}),
+        artifacts=sorted({made.format(T=tag) for made, _ in EVAL_ARTIFACTS.values() for tag in RECORD_TEMPERATURES}),
     output:
         requests=f"{RESULTS}/evaluate/requests.parquet",
         summary=f"{RESULTS}/evaluate/summary.json",
     params:
-        config=config_json(config, "evaluate", "records", "seed", "torch_device"),
+        config=stage_config(config, "evaluate"),
         oracle=lambda wildcards, input: [f"{tag}={path}" for tag, path in zip(RECORD_TEMPERATURES, input.oracle)],
         # a function: strings in params are expanded as wildcards, and {T} is for `ogspo evaluate`
-        artifacts=lambda wildcards: [f"{k}={EVAL_ARTIFACTS[k][1]}" for k in EVAL_ARTIFACT_KINDS],
+        artifacts=lambda wildcards: [f"{k}={reads}" for k, (_, reads) in EVAL_ARTIFACTS.items()],
     log:
         f"{RESULTS}/logs/evaluate.log",
     benchmark:

@@ -10,7 +10,7 @@ rule calibrate_kernels:
     output:
         f"{RESULTS}/kernels/kernels.json",
     params:
-        config=config_json(config, "kernels", "torch_device"),
+        config=stage_config(config, "calibrate_kernels"),
     log:
         f"{RESULTS}/logs/calibrate_kernels.log",
     benchmark:

@@ -28,7 +28,7 @@ rule ogspo_rounds:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "rounds", "policy", "solve", "seed", "torch_device"),
+        config=stage_config(config, "ogspo_rounds"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
         workloads=lambda wildcards, input: os.path.dirname(input.workloads[0]),
     log:
@@ -78,7 +78,7 @@ rule train_policy_only:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "policy", "seed"),
+        config=stage_config(config, "train_policy_only"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
         f"{RESULTS}/logs/train_policy_only/T{{temperature}}.log",
@@ -91,5 +91,5 @@ rule train_policy_only:
     conda:
         "../envs/torch.yaml"
     shell:
-        "OMP_NUM_THREADS={threads} ogspo train-policy --config-json {params.config:q} --records {params.records}"
+        "OMP_NUM_THREADS={threads} ogspo train-policy-only --config-json {params.config:q} --records {params.records}"
         " --latency {input.latency} --template --out {output} > {log} 2>&1"

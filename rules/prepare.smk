@@ -5,7 +5,7 @@ rule prepare_model:
     output:
         directory(f"{RESULTS}/model"),
     params:
-        config=config_json(config, "model", "dtype", "torch_device"),
+        config=stage_config(config, "prepare_model"),
     log:
         f"{RESULTS}/logs/prepare_model.log",
     threads: 2
@@ -25,7 +25,7 @@ rule prepare_workloads:
     output:
         expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
     params:
-        config=config_json(config, "workloads", "seed"),
+        config=stage_config(config, "prepare_workloads"),
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{RESULTS}/logs/prepare_workloads.log",

@@ -15,7 +15,7 @@ rule collect_records:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "records", "seed", "torch_device"),
+        config=stage_config(config, "collect_records"),
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{RESULTS}/logs/collect_records/{{workload}}-T{{temperature}}.log",

@@ -13,7 +13,7 @@ rule resolve_device:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "solve", "policy", "seed"),
+        config=stage_config(config, "resolve_device"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
         f"{RESULTS}/logs/resolve_device/{{name}}_T{{temperature}}.log",

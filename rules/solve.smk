@@ -11,7 +11,7 @@ rule solve_oracle:
     wildcard_constraints:
         temperature=r"[0-9.]+",
     params:
-        config=config_json(config, "solve"),
+        config=stage_config(config, "solve_oracle"),
         records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
     log:
         f"{RESULTS}/logs/solve_oracle/T{{temperature}}.log",

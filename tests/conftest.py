@@ -65,7 +65,8 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Prepared SmolLM2-135M-Instruct folder (prepared once, reused across runs)."""
-    from ogspo.stages.model import MANIFEST, prepare_model
+    from ogspo.engine.model import MANIFEST
+    from ogspo.stages.prepare_model import prepare_model
 
     out = Path(os.environ.get("OGSPO_TEST_MODEL_DIR", REPO_ROOT / "results" / ".test-cache" / "smollm2"))
     if not (out / MANIFEST).is_file():

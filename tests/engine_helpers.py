@@ -15,7 +15,8 @@ from ogspo.engine.target import LlamaTreeLM
 from ogspo.engine.tree import Structure, ancestor_matrix
 
 
-def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, *, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4,
+               kv_heads: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -82,7 +83,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def assert_tree_policies_equal_greedy(target, target_model, draft_model) -> None:
     """A chain, a static tree and an EAGLE-3 dynamic tree over `target` (drafted by `draft_model`)
     each equal transformers' greedy decoding of `target_model` on two prompts, token for token."""
-    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])), DynamicTree(total_tokens=12, depth=4, top_k=3)]
+    policies = [chain(4), StaticTree(Structure([[0], [1], [0, 0], [1, 0], [0, 0, 0]])),
+                DynamicTree(total_tokens=12, depth=4, top_k=3)]
     for prompt in ([3, 7, 11], [9, 1, 4, 4, 20]):
         ref = hf_greedy(target_model, prompt, 30)
         for policy in policies:

@@ -12,7 +12,8 @@ from family_models import COMMON
 
 import ogspo
 from ogspo.artifacts.prompts import render_chat, render_raw
-from ogspo.stages.model import MANIFEST, complete_tokenizer, gguf_tokenizer_metadata, prepare_model, weights_checksum
+from ogspo.engine.model import MANIFEST, complete_tokenizer, gguf_tokenizer_metadata, weights_checksum
+from ogspo.stages.prepare_model import prepare_model
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_load_generates_streams_and_stays_lossless(qwen3_folder):
 
 
 def test_load_refuses_bad_arguments_in_one_line(qwen3_folder):
-    with pytest.raises(ValueError, match="unknown method 'no-such'; allowed: ar, chain, .*, or an exported policy folder"):
+    with pytest.raises(ValueError, match="unknown method 'no-such'; allowed: ar, ar-aa, chain, .*, or an exported policy folder"):
         ogspo.load(model=qwen3_folder, policy="no-such")
     with pytest.raises(ValueError, match="drafts a tree and needs a drafter"):
         ogspo.load(model=qwen3_folder, policy="eagle")

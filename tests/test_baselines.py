@@ -110,7 +110,7 @@ def test_sequoia_size_follows_the_latency_model(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_stage_inputs(tmp_path_factory):
     """Real record shards of tiny models (template [3, 2, 1]) and a synthetic latency.json."""
-    from ogspo.stages.records import collect_records
+    from ogspo.stages.collect_records import collect_records
 
     out = tmp_path_factory.mktemp("baseline_records")
     target = build_tree_lm(tiny_model(0), max_len=128)
@@ -147,7 +147,9 @@ def test_baseline_stages_on_record_shards(tiny_stage_inputs, tmp_path, capsys):
     train = json.loads((tmp_path / "routing" / "train.json").read_text())
     assert train["n_holdout_requests"] == 1 and train["template_names"] == ["ar", "chain1", "chain2", "tree3d2"]
     assert isinstance(make_policy("routing", router_path=tmp_path / "routing" / "router.json"), RoutedTree)
-    bad = {**cfg, "baselines": {**cfg["baselines"], "routing": {**cfg["baselines"]["routing"], "templates": [[], [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]]}}}
+    bad = {**cfg,
+           "baselines": {**cfg["baselines"],
+                         "routing": {**cfg["baselines"]["routing"], "templates": [[], [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]]}}}
     rc = main(["train-routing", "--config-json", json.dumps(bad), "--records", str(records), "--latency", str(latency),
                "--out", str(tmp_path / "bad")])
     err = capsys.readouterr().err.strip()

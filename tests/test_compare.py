@@ -1,11 +1,11 @@
-"""Paired ratios, geometric means and bootstrap intervals (ogspo.stages.compare)."""
+"""Paired ratios, geometric means and bootstrap intervals (ogspo.analysis.compare)."""
 
 import numpy as np
 import polars as pl
 import pytest
 
-from ogspo.stages.compare import best_of_intervals, bootstrap_interval, ratio_intervals
-from ogspo.stages.summary import pooled_comparisons
+from ogspo.analysis.compare import best_of_intervals, bootstrap_interval, ratio_intervals
+from ogspo.analysis.summary import pooled_comparisons
 
 
 def _requests(rows):
@@ -81,7 +81,7 @@ def test_re_picking_the_best_per_resample_carries_the_winners_curse():
 def _aa_requests(slow: float, *, n: int = 24, noise: float = 0.02, drift: float = 0.03, seed: int = 0) -> pl.DataFrame:
     """Simulated evaluation: `ar` and `ar-aa` (made `slow` slower) in mirrored slot orders among three
     other methods, each request's throughput hit by a position effect exp(-drift * place) and lognormal noise."""
-    from ogspo.stages.evaluate import slot_order
+    from ogspo.methods.harness import slot_order
 
     rng = np.random.default_rng(seed)
     names = ["ar", "ar-aa", "m1", "m2", "m3"]

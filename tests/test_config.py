@@ -41,7 +41,8 @@ def test_misspelt_key(base):
     msg = error_of(base)
     assert msg.startswith("config error at 'modle': unknown key")
     assert "did you mean 'model'" in msg
-    assert "allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, model, policy, records, resolve, rounds, seed, solve, torch_device, workloads" in msg
+    assert ("allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, "
+            "model, policy, records, resolve, rounds, seed, solve, torch_device, workloads") in msg
 
 
 def test_misspelt_nested_key(base):
@@ -172,10 +173,12 @@ def test_cluster_profile_asks_a_gpu_for_every_model_rule_and_none_for_the_others
             if rule in MODEL_RULES:
                 assert (res.get("gpu"), res.get("gpu_model"), res.get("slurm_partition")) == ("1", "h200", "gpu"), (rule, res)
             else:
-                assert not {"gpu", "gpu_model", "gres", "cpus_per_gpu"} & set(res) and res["slurm_partition"] == "cpu", (rule, res)
+                assert not {"gpu", "gpu_model", "gres", "cpus_per_gpu"} & set(res), (rule, res)
+                assert res["slurm_partition"] == "cpu", (rule, res)
 
 
-@pytest.mark.parametrize("profile, torch_device, dtype", [("profiles/h200", "cuda", "bfloat16"), ("profiles/cpu", "cpu", "float32")])
+@pytest.mark.parametrize("profile, torch_device, dtype",
+                         [("profiles/h200", "cuda", "bfloat16"), ("profiles/cpu", "cpu", "float32")])
 def test_device_profile_survives_a_user_configfile(tmp_path, profile, torch_device, dtype):
     mine = tmp_path / "mine.yaml"
     mine.write_text(f"device: dry-{tmp_path.name}\nevaluate:\n  max_new_tokens: 20\n")
@@ -238,4 +241,5 @@ def test_the_workflow_and_the_package_read_the_same_defaults():
             return [d for k in sorted(set(a) | set(b)) for d in diff(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{path}.{k}")]
         return [] if a == b else [f"{path}: workflow {a!r}, package {b!r}"]
 
-    assert not diff(workflow, package), "config/default.yaml and the packaged default.yaml differ: " + "; ".join(diff(workflow, package))
+    assert not diff(workflow, package), ("config/default.yaml and the packaged default.yaml differ: "
+                                         + "; ".join(diff(workflow, package)))

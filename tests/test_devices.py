@@ -26,10 +26,11 @@ from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
-from ogspo.stages.calibrate import calibrate_latency
-from ogspo.stages.evaluate import MethodSpec, SpeedProbe, make_method_engine, run_request
+from ogspo.methods.harness import SpeedProbe, make_method_engine, run_request
+from ogspo.methods.registry import MethodSpec
+from ogspo.stages.calibrate_latency import calibrate_latency
+from ogspo.stages.collect_records import collect_records
 from ogspo.stages.measure_drafter import time_expand
-from ogspo.stages.records import collect_records
 
 PROMPT = [5, 9, 13, 2, 7, 11]
 PACKAGE = str(Path(ogspo.__file__).parent)
@@ -63,7 +64,8 @@ class RequireDevice(TorchFunctionMode):
 def _from_numpy(array):
     where = _caller_in_ogspo()
     if where is not None:
-        raise AssertionError(f"{where}: torch.from_numpy makes a CPU tensor whatever the device; use torch.as_tensor(x, device=...)")
+        raise AssertionError(f"{where}: torch.from_numpy makes a CPU tensor whatever the device; use torch.as_tensor(x, "
+                             f"device=...)")
     return FROM_NUMPY(array)
 
 
@@ -97,7 +99,8 @@ def test_the_check_catches_a_tensor_without_a_device():
 def test_engine_creates_every_tensor_on_the_target_device(temperature):
     model, target, eagle = _eagle_setup()
     lm_drafter = LMDrafter(LlamaTreeLM(tiny_model(0), max_len=128, n_layers=1))
-    policies = [(chain(3), lm_drafter), (StaticTree(Structure.full([2, 2])), eagle), (DynamicTree(total_tokens=6, depth=3, top_k=2), eagle)]
+    policies = [(chain(3), lm_drafter), (StaticTree(Structure.full([2, 2])), eagle),
+                (DynamicTree(total_tokens=6, depth=3, top_k=2), eagle)]
     with explicit_devices_only():
         for policy, drafter in policies:
             engine = SpeculativeEngine(target=target, policy=policy, drafter=drafter, temperature=temperature)

@@ -212,7 +212,8 @@ def test_fortunes_read_as_text_skip_workload_and_near_held_out_fortunes(tmp_path
     text = "\n\n".join(bytes(s).decode() for s in seqs)
     assert sorted(a for a in animals if f"The {a} " in text) == ["dog", "owl", "yak"]
     assert all(len(s) <= 2 * one + 2 for s in seqs) and len(seqs) == 2  # two fortunes fit a chunk, the third starts one
-    assert "night. Who would" in text or "paths. Who would" in text  # one line each: spacing flattened like the workload's prompts
+    # one line each: spacing flattened like the workload's prompts
+    assert "night. Who would" in text or "paths. Who would" in text
     assert fortune_sequences(fortunes_dir=fdir, workloads_dir=wl, tokenizer=tok, max_tokens=0, seq_len=64, seed=0,
                              held_out=held) == []
 
@@ -281,7 +282,7 @@ def test_self_written_requests_and_the_data_cache(tmp_path, smollm2_dir):
     from ogspo.drafter.data import self_instructions
     from ogspo.drafter.head import HeadConfig
     from ogspo.drafter.train import build_data
-    from ogspo.stages.model import load_target
+    from ogspo.engine.model import load_target
 
     model, tok = load_target(smollm2_dir)
     lm = build_tree_lm(model, max_len=128, feature_layers=(1, 14, 26))
@@ -318,20 +319,22 @@ def test_more_text_reuses_the_blocks_read_before(tmp_path, smollm2_dir, monkeypa
     from ogspo.artifacts.settings import settings
     from ogspo.drafter import train
     from ogspo.drafter.head import HeadConfig
-    from ogspo.stages.model import load_target
+    from ogspo.engine.model import load_target
 
     monkeypatch.setattr(train, "TEXT_BLOCK", 1)
     model, tok = load_target(smollm2_dir)
     wl = tmp_path / "workloads"
     wl.mkdir()
-    pl.DataFrame({"prompt_id": ["t/0"], "split": ["train"], "text": ["The sea"], "prompt": ["The sea"]}).write_parquet(wl / "t.parquet")
+    pl.DataFrame({"prompt_id": ["t/0"], "split": ["train"], "text": ["The sea"],
+                  "prompt": ["The sea"]}).write_parquet(wl / "t.parquet")
     cache = tmp_path / "cache"
     kw = dict(model=model, tokenizer=tok, target_checksum="abc", workloads_dir=wl, fortunes_dir=None,
               head_cfg=HeadConfig.for_target(model, draft_vocab=512), seed=0)
     seqs = {}
     for n in (40, 100):
         cfg = settings("drafter", {"self_instruct": 0, "max_new_tokens": 3, "gen_batch": 1, "gen_rows": 64, "extra_fortunes": 0,
-                                   "extra_functions": 0, "stdlib_tokens": n, "seq_len": 32, "cache_dir": str(cache), "sharegpt": {"texts": 0, "answered": 0}})
+                                   "extra_functions": 0, "stdlib_tokens": n, "seq_len": 32, "cache_dir": str(cache),
+                                   "sharegpt": {"texts": 0, "answered": 0}})
         cfg.pop("gto")
         seqs[n], _ = train.build_data(cfg=cfg, **kw)
         seqs[n] = [s.tokens.tolist() for s in seqs[n]]
@@ -362,7 +365,8 @@ def test_the_head_layer_is_eagle3s_midlayer():
                    rms_norm(h, head.hidden_norm, c.eps)], -1)  # [T, 2D]
     cos, sin = head.rope(torch.arange(T), torch.float32)  # [T, hd]
     split = lambda y, n: y.view(T, n, c.head_dim).transpose(0, 1)  # [n, T, hd]
-    q, k, v = split(x @ head.q.weight.T, c.n_heads), split(x @ head.k.weight.T, c.kv_heads), split(x @ head.v.weight.T, c.kv_heads)
+    q = split(x @ head.q.weight.T, c.n_heads)
+    k, v = split(x @ head.k.weight.T, c.kv_heads), split(x @ head.v.weight.T, c.kv_heads)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     rep = c.n_heads // c.kv_heads
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)

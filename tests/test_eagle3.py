@@ -72,10 +72,12 @@ def eagle3_logits(state, conf, embed, features, tokens):
     ang = torch.arange(T).double()[:, None] * inv  # [T, hd/2]
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
     rot = lambda t: t * cos + torch.cat([-t[..., HD // 2:], t[..., : HD // 2]], -1) * sin  # noqa: E731
-    a = F.scaled_dot_product_attention(rot(q), rot(k).repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0), is_causal=True)
+    a = F.scaled_dot_product_attention(rot(q), rot(k).repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0),
+                                       is_causal=True)
     h = h + a.transpose(0, 1).reshape(T, H * HD) @ w("midlayer.self_attn.o_proj.weight").T
     m = norm(h, "midlayer.post_attention_layernorm.weight")
-    h = h + (F.silu(m @ w("midlayer.mlp.gate_proj.weight").T) * (m @ w("midlayer.mlp.up_proj.weight").T)) @ w("midlayer.mlp.down_proj.weight").T
+    gate, up = F.silu(m @ w("midlayer.mlp.gate_proj.weight").T), m @ w("midlayer.mlp.up_proj.weight").T
+    h = h + (gate * up) @ w("midlayer.mlp.down_proj.weight").T
     return norm(h, "norm.weight") @ w("lm_head.weight").T
 
 

@@ -10,9 +10,9 @@ from ogspo.engine import kernels as K
 from ogspo.engine import native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.lossless import compare_greedy
+from ogspo.engine.model import load_target
 from ogspo.engine.target import LlamaTreeLM
 from ogspo.methods.registry import make_drafter, make_policy, make_target
-from ogspo.stages.model import load_target
 
 PROMPTS = [
     "The capital of France is",
@@ -40,7 +40,8 @@ def mixed_table(model) -> K.KernelTable:
     lm = LlamaTreeLM(model, max_len=8)
     shapes = {c: list(m.weights[0].w.shape) for c, m in lm.mm.items()} | {K.LAYER_OPS: lm.layer_ops_shape}
     # numpy is left to the tiny-model tests: its spinning BLAS threads make a full-size run slow
-    have = [k for k in K.BASE_KERNELS + K.native_kernels(2) if k != "numpy" and (not k.startswith("native") or native.load() is not None)]
+    have = [k for k in K.BASE_KERNELS + K.native_kernels(2) if k != "numpy"
+            and (not k.startswith("native") or native.load() is not None)]
     rows = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
     choice = {c: [have[(i + j) % len(have)] for j in range(len(rows))] for i, c in enumerate(K.CLASSES)}
     pad_to = {c: [rows[min(j + (j % 2), len(rows) - 1)] for j in range(len(rows))] for c in K.CLASSES}
@@ -63,7 +64,8 @@ def test_every_method_equals_transformers_greedy(smollm2, kernels):
     for text in prompts:
         prompt = tok(text).input_ids
         ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False)[0, len(prompt):].tolist()
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                             do_sample=False)[0, len(prompt):].tolist()
         for method, args, drafter in methods:
             engine = SpeculativeEngine(
                 target=target,
@@ -73,7 +75,8 @@ def test_every_method_equals_transformers_greedy(smollm2, kernels):
             )
             got = engine.generate(prompt, max_new_tokens=n_new).tokens
             report = compare_greedy(model, prompt, ref, got)
-            assert report.equal or report.near_tie, f"{method}/{drafter} ({kernels} kernels) on {text[:30]!r}: {report.describe()}"
+            assert report.equal or report.near_tie, (f"{method}/{drafter} ({kernels} kernels) on {text[:30]!r}: "
+                                                    f"{report.describe()}")
             if report.near_tie:
                 ties.append(f"{method}/{drafter} on {text[:30]!r}: {report.describe()}")
     for t in ties:

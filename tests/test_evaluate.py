@@ -12,6 +12,7 @@ from engine_helpers import hf_greedy, tiny_model
 from policy_helpers import threshold_head
 from solve_helpers import synthetic_latency
 
+from ogspo.analysis.summary import summarize_requests
 from ogspo.artifacts.structure import write_structure
 from ogspo.engine import decode
 from ogspo.engine.drafters import LMDrafter
@@ -19,16 +20,10 @@ from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.engine.verify import Verdict
 from ogspo.learn.export import export_policy
-from ogspo.stages.evaluate import (
-    LosslessError,
-    evaluate_methods,
-    method_specs,
-    slot_order,
-    structure_policy,
-    write_evaluation,
-)
-from ogspo.stages.summary import summarize_requests
-from ogspo.stages.tune import tune_eagle, write_tuning
+from ogspo.methods.harness import slot_order
+from ogspo.methods.registry import method_specs, structure_policy
+from ogspo.stages.evaluate import LosslessError, evaluate_methods, write_evaluation
+from ogspo.stages.tune_eagle import tune_eagle, write_tuning
 
 PROMPTS = {
     "alpha": [("a0", [5, 9, 13, 2, 7]), ("a1", [3, 3, 3, 3, 3, 3, 40, 41])],
@@ -292,7 +287,8 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
         "model": lat.to_json(), "validation": [{"n": 3, "L": 256, "measured": 0.19, "predicted": 0.18, "ape": 0.05}],
         "mdape": 0.05, "fixed_samples": [0.004], "seconds": 1.0}))
     (tmp_path / "records.json").write_text(json.dumps({
-        "alpha/T0": {"tau": 2.1, "accept_by_depth": [0.6, 0.3, 0.1]}, "alpha/T1": {"tau": 1.7, "accept_by_depth": [0.5, 0.2, 0.0]}}))
+        "alpha/T0": {"tau": 2.1, "accept_by_depth": [0.6, 0.3, 0.1]},
+        "alpha/T1": {"tau": 1.7, "accept_by_depth": [0.5, 0.2, 0.0]}}))
     write_structure(OGSPO_S, tmp_path / "structure_T0.json")
     write_structure(Structure([]), tmp_path / "structure_T1.json")
     pl.DataFrame({"round": [0, 1, 2], "surrogate_J": [20.0, 22.0, 22.5], "oracle_bound": [35.0] * 3,
@@ -348,7 +344,7 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
 
 
 def test_the_throughput_plot_reads_speedups_and_falls_back_to_tokens_per_second(tmp_path):
-    from ogspo.stages.report import plot_throughput
+    from ogspo.analysis.plots import plot_throughput
 
     def row(m, w, t, v, paired):
         return {"method": m, "workload": w, "temperature": t, "throughput": 50 * v, "throughput_q25": 45 * v,
@@ -376,7 +372,7 @@ def test_report_refuses_a_bad_requests_table(tmp_path):
 def test_records_figures_leave_out_a_sequoia_tree_outside_the_template():
     """sequoia.json's replayed_throughput is None when its tree leaves the records' template (the quick
     run met it): the records figures leave the static tree out, and the report's statements still form."""
-    from ogspo.stages.report import records_figures
+    from ogspo.analysis.markdown import records_figures
 
     rounds = {"T0": pl.DataFrame({"accepted": [True], "surrogate_J": [21.0]})}
     inside = {"replayed_autoregressive": 18.0, "replayed_throughput": 20.0}

@@ -59,7 +59,8 @@ def _cycles(paths, template=WIDE):
     arr = np.full((len(paths), template.max_depth), pad, dtype=np.int64)
     for c, p in enumerate(paths):
         arr[c, : len(p)] = p
-    return ReplayCycles(template=template, paths=arr, context_lengths=np.full(len(paths), 200.0), node_depth=_node_depths(template))
+    return ReplayCycles(template=template, paths=arr, context_lengths=np.full(len(paths), 200.0),
+                        node_depth=_node_depths(template))
 
 
 def test_a_dynamic_tree_is_replayed_cycle_by_cycle_with_its_rerank():

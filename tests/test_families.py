@@ -110,7 +110,9 @@ def test_tree_forward_past_the_window_matches_sequential_logits(family, backend)
 def test_unsupported_attention_kinds_are_refused_in_one_line():
     model = family_model("llama")
     model.config.layer_types = ["full_attention", "chunked_attention", "full_attention"]
-    with pytest.raises(ValueError, match="has chunked_attention layers; tree attention runs full_attention and sliding_attention layers only"):
+    with pytest.raises(ValueError,
+                       match="has chunked_attention layers; tree attention runs full_attention and "
+                             "sliding_attention layers only"):
         build_tree_lm(model, backend="hf")
 
 
@@ -179,7 +181,7 @@ def test_bf16_is_chosen_only_where_the_engine_runs_batch_invariant_kernels(famil
     """`dtype: auto` and a bf16-prepared folder run a transformers-backend family in fp32: its bf16
     products depend on the row count, so a verified tree could differ from step-by-step decoding
     (`make gemma3-quick` failed its lossless check on Gemma 3 in bf16, a one-ulp near-tie)."""
-    from ogspo.stages.model import choose_dtype, runtime_dtype
+    from ogspo.engine.model import choose_dtype, runtime_dtype
 
     config = FAMILIES[family][1]()
     choice = choose_dtype(family_model(family))

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.integration
 def test_prepared_model_greedy_paris(smollm2_dir):
     import torch
 
-    from ogspo.stages.model import load_target, weights_checksum
+    from ogspo.engine.model import load_target, weights_checksum
 
     manifest = json.loads((smollm2_dir / "ogspo_model.json").read_text())
     assert manifest["checksum_sha256"] == weights_checksum(smollm2_dir)
@@ -24,7 +24,7 @@ def test_prepared_model_greedy_paris(smollm2_dir):
 
 
 def test_load_target_errors_are_one_line(tmp_path):
-    from ogspo.stages.model import load_target
+    from ogspo.engine.model import load_target
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_target(tmp_path / "missing")

@@ -24,7 +24,8 @@ needs_native = pytest.mark.skipif(native.load() is None, reason=f"native kernel 
 ALL = K.BASE_KERNELS + K.native_kernels(2)
 
 
-def _table(choice: dict[str, list[str]], rows: list[int], pad_to: dict[str, list[int]] | None = None, shapes=None) -> K.KernelTable:
+def _table(choice: dict[str, list[str]], rows: list[int], pad_to: dict[str, list[int]] | None = None,
+           shapes=None) -> K.KernelTable:
     return K.KernelTable(
         key=K.device_key("cpu", torch.float32), shapes=shapes or {}, rows=rows, choice=choice,
         pad_to=pad_to or {c: list(rows) for c in choice},
@@ -87,7 +88,8 @@ def test_calibration_keeps_the_fastest_and_pads_only_to_cheaper():
     """Each row count keeps its fastest kernel, or the plan of a larger row count measured at least
     pad_margin cheaper; never a smaller one."""
     g = torch.Generator().manual_seed(3)
-    weights = {"o": [torch.randn(64, 64, generator=g) for _ in range(3)], "down": [torch.randn(32, 96, generator=g) for _ in range(3)]}
+    weights = {"o": [torch.randn(64, 64, generator=g) for _ in range(3)],
+               "down": [torch.randn(32, 96, generator=g) for _ in range(3)]}
     rows = [1, 2, 4, 8]
     t = K.calibrate_kernels(weights, rows=rows, reps=2, candidates=("linear", "matmul_t"), max_seconds=30, pad_margin=0.03)
     assert t.rows == rows and t.shapes == {"o": [64, 64], "down": [32, 96]}
@@ -259,7 +261,8 @@ def test_bf16_target_tree_decoding_equals_its_own_greedy_steps():
         for policy in (chain(4), *tree_policies()):
             engine = SpeculativeEngine(target=target, policy=policy, drafter=LMDrafter(LlamaTreeLM(draft_model, max_len=256)))
             assert engine.generate(prompt, max_new_tokens=30).tokens == ref, policy.name
-    selfdraft = SpeculativeEngine(target=target, policy=chain(4), drafter=LMDrafter(LlamaTreeLM(target_model, max_len=256, kernels=table)))
+    selfdraft = SpeculativeEngine(target=target, policy=chain(4),
+                                  drafter=LMDrafter(LlamaTreeLM(target_model, max_len=256, kernels=table)))
     res = selfdraft.generate([3, 7, 11], max_new_tokens=30)
     assert res.tokens == ar.generate([3, 7, 11], max_new_tokens=30).tokens and res.tau > 3  # trees really were verified
 
@@ -273,7 +276,7 @@ def tree_policies():
 
 def test_without_the_bf16_kernel_auto_is_fp32_and_bf16_runs_in_fp32(monkeypatch):
     """$OGSPO_NO_BF16 forces the no-bf16 path: `auto` prepares fp32 and a bf16 model loads as fp32."""
-    from ogspo.stages.model import choose_dtype, runtime_dtype
+    from ogspo.engine.model import choose_dtype, runtime_dtype
 
     monkeypatch.setenv(native.NO_BF16, "1")
     assert not native.bf16_available()
@@ -285,7 +288,7 @@ def test_without_the_bf16_kernel_auto_is_fp32_and_bf16_runs_in_fp32(monkeypatch)
 
 @needs_bf16
 def test_auto_measures_and_picks_bf16_where_it_is_faster():
-    from ogspo.stages.model import choose_dtype
+    from ogspo.engine.model import choose_dtype
 
     model = tiny_model(0, hidden=256, layers=2).float()
     c = choose_dtype(model)

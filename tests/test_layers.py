@@ -13,7 +13,7 @@ import ogspo
 
 PACKAGE = Path(ogspo.__file__).parent
 # in import order: a module may import its own layer and the layers before it
-LAYERS = ("engine", "artifacts", "drafter", "offline", "methods", "learn", "stages", "api", "cli")
+LAYERS = ("engine", "artifacts", "drafter", "offline", "methods", "learn", "analysis", "stages", "api", "cli")
 TORCH_FREE = ("artifacts", "offline")
 
 
@@ -89,3 +89,22 @@ def test_every_module_is_listed():
     """pkgutil sees the same modules as the walk above (no namespace surprises)."""
     seen = {m.name for m in pkgutil.walk_packages([str(PACKAGE)], prefix="ogspo.")}
     assert seen <= set(_modules())
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_module_is_over_700_lines():
+    long = {m: _lines(p) for m, p in _modules().items() if _lines(p) > 700}
+    assert not long, long
+
+
+def test_stages_hold_workflow_code_only():
+    """Library code lives in the layers below: stages/ is at most a fifth of the package, and the API imports
+    no stage."""
+    total = sum(_lines(p) for p in _modules().values())
+    stages = sum(_lines(p) for m, p in _modules().items() if m.startswith("ogspo.stages"))
+    assert stages <= 0.20 * total, f"stages/ holds {stages} of {total} lines"
+    api = ast.parse((PACKAGE / "api.py").read_text())
+    assert not [name for _, name, _ in _ogspo_imports(api, "ogspo.api") if name.startswith("ogspo.stages")]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_peers  # noqa: E402
 import llamacpp  # noqa: E402
 
-from ogspo.stages.compare import ratio_intervals  # noqa: E402
+from ogspo.analysis.compare import ratio_intervals  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["completion.json", "completion_lookup.json"])  # AR, and n-gram lookup decoding

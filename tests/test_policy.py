@@ -24,7 +24,7 @@ from ogspo.learn.policy import PolicyData, PolicyHead, offline_states, policy_de
 from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, N_FEATURES
 from ogspo.methods.ogspo import OnnxPolicy, load_policy_dir
 from ogspo.methods.registry import make_policy
-from ogspo.stages.records import collect_records
+from ogspo.stages.collect_records import collect_records
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
 TEMPLATE = Structure.full([3, 2, 2])
@@ -251,7 +251,7 @@ def test_empty_oracle_structure_means_autoregressive(tmp_path):
     import json
 
     from ogspo.methods.registry import make_policy
-    from ogspo.stages.train_policy import run_train_policy
+    from ogspo.stages.train_policy_only import run_train_policy
 
     oracle = tmp_path / "oracle.json"
     oracle.write_text(json.dumps({"structure": [], "throughput": 25.0}))

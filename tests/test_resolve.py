@@ -9,7 +9,7 @@ from test_records import _collect
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.engine.tree import Structure
 from ogspo.methods.ogspo import load_policy_dir
-from ogspo.stages.resolve import resolve_device, template_edges
+from ogspo.stages.resolve_device import resolve_device, template_edges
 
 POLICY = {"hidden": 8, "sweeps": 0, "steps_per_sweep": 30, "lr": 0.003, "weight_decay": 0.0, "rounds": 1,
           "holdout_fraction": 0.25}

@@ -33,9 +33,9 @@ from ogspo.learn.size import fit_size_decision
 from ogspo.methods.features import N_FEATURES
 from ogspo.methods.ogspo import load_policy_dir
 from ogspo.methods.registry import make_policy
+from ogspo.stages.collect_records import collect_records
 from ogspo.stages.export_policy import run_export_policy
-from ogspo.stages.records import collect_records
-from ogspo.stages.rounds import run_rounds_stage, write_rounds
+from ogspo.stages.ogspo_rounds import run_rounds_stage, write_rounds
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 3, 3, 3, 3, 40, 41], [17, 22, 60, 1, 8, 33, 12, 5, 9, 13]]
 TEMPLATE = Structure.full([3, 2, 2])
@@ -165,7 +165,8 @@ def test_rounds_run_and_outputs_load(records, tmp_path):
     method = make_policy("ogspo", policy_path=tmp_path / "policy")
     target_model = tiny_model(0)
     target = build_tree_lm(target_model, max_len=256)
-    engine = SpeculativeEngine(target=target, policy=method, drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
+    engine = SpeculativeEngine(target=target, policy=method,
+                               drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
     for prompt in PROMPTS:
         assert engine.generate(prompt, max_new_tokens=20).tokens == hf_greedy(target_model, prompt, 20)
 

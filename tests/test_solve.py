@@ -38,7 +38,8 @@ def test_oracle_matches_brute_force_and_charnes_cooper(case):
     cc = charnes_cooper(enc.milp, time_limit=30, mip_gap=1e-9)
     assert cc.objective == pytest.approx(bf, rel=1e-6)
     S = solve._structure_of(enc, info, cc.values)
-    a, t = solve.replay_totals(cycles=cyc, structure=S, cycle_depths=solve._depths_of(enc, cc.values)[groups.cycle_group], latency=lat)
+    depths = solve._depths_of(enc, cc.values)[groups.cycle_group]
+    a, t = solve.replay_totals(cycles=cyc, structure=S, cycle_depths=depths, latency=lat)
     assert a / t == pytest.approx(bf, rel=1e-6)
 
 
@@ -77,7 +78,8 @@ def test_oracle_milp_objective_equals_replay_at_optimum():
     m = enc.milp
     num, den = m.value(m.num, m.num_const, sol.values), m.value(m.den, m.den_const, sol.values)
     S = solve._structure_of(enc, info, sol.values)
-    a, t = solve.replay_totals(cycles=cyc, structure=S, cycle_depths=solve._depths_of(enc, sol.values)[groups.cycle_group], latency=lat)
+    depths = solve._depths_of(enc, sol.values)[groups.cycle_group]
+    a, t = solve.replay_totals(cycles=cyc, structure=S, cycle_depths=depths, latency=lat)
     assert num == pytest.approx(a, rel=1e-6) and den == pytest.approx(t, rel=1e-6)
 
 

@@ -37,7 +37,8 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
         summary = json.loads((out / "report" / "summary.json").read_text())
         assert summary["lossless"]["checked"] > 0 and summary["lossless"]["mismatches"] == 0
         methods = {r["method"] for r in summary["rows"]}
-        assert {"ar", "ar-aa", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure", "ogspo-policy"} <= methods
+        assert {"ar", "ar-aa", "eagle-default", "eagle-tuned", "sequoia", "routing", "ogspo", "ogspo-structure",
+                "ogspo-policy"} <= methods
         assert {r["temperature"] for r in summary["rows"]} == {0.0, 1.0}
         for row in summary["rows"]:
             for key in ("throughput", "tau", "speedup", "vs_eagle_tuned", "predicted_throughput", "time_split"):

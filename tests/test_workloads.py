@@ -12,7 +12,7 @@ from ogspo.artifacts.prompts import (
     read_jsonl_prompts,
     read_mtbench,
 )
-from ogspo.stages.workloads import prepare_workloads, select_prompts, split_ids
+from ogspo.stages.prepare_workloads import prepare_workloads, select_prompts, split_ids
 
 
 def test_split_is_deterministic_disjoint_and_sized():
@@ -60,7 +60,8 @@ def test_sources():
 
 
 def test_fortune_parsing():
-    text = "First one.\n%\nA longer fortune here. It keeps going for a while so that there is a rest to continue.\n\t-- Someone\n%\n"
+    text = ("First one.\n%\nA longer fortune here. It keeps going for a while so that there is a rest to continue."
+            "\n\t-- Someone\n%\n")
     entries = parse_fortunes(text)
     assert entries[0] == "First one." and len(entries) == 2
     assert fortune_prefix(entries[0]) is None  # too short
@@ -74,7 +75,7 @@ def test_missing_fortunes_dir_is_one_line(tmp_path):
 
 
 def test_prepare_workloads_with_real_tokenizer(smollm2_dir, tmp_path):
-    from ogspo.stages.model import load_tokenizer
+    from ogspo.engine.model import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     config = {

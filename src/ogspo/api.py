@@ -9,7 +9,7 @@
 
 `model`: a prepared model folder (`ogspo prepare-model`) or any local Hugging Face folder.
 `drafter`: None (no drafting), "lookup", "early-exit", or the folder of a trained draft head
-(`ogspo train-drafter`). `policy`: a method name (`METHODS`: "ar", "chain", "eagle", ...) or the
+(`ogspo train-drafter`). `policy`: a method name (`method_names()`: "ar", "chain", "eagle", ...) or the
 folder of an exported OGSPO policy (`ogspo export-policy`: the learned structure, stop policy and
 size rule); default "eagle" (EAGLE-3's dynamic tree) with a drafter, "ar" without. Every method is
 lossless: at temperature 0 the tokens are the model's greedy decoding, above it its sampling
@@ -27,8 +27,8 @@ from pathlib import Path
 from ogspo.artifacts.prompts import render_chat, render_raw
 from ogspo.engine.decode import GenerationResult, SpeculativeEngine
 from ogspo.engine.kernels import KernelTable, read_kernel_table
-from ogspo.methods.registry import DRAFTERS, METHODS, make_drafter, make_policy, make_target
-from ogspo.stages.model import load_target, model_checksum
+from ogspo.engine.model import load_target, model_checksum
+from ogspo.methods.registry import DRAFTERS, make_drafter, make_policy, make_target, method_names
 
 
 @dataclass
@@ -55,7 +55,8 @@ class Decoder:
         method, policy_args = _method(policy, drafter, policy_args)
         self.policy = make_policy(method, policy_device=device, **policy_args)  # validated before the model loads
         if self.policy.max_nodes > 1 and drafter is None:
-            raise ValueError(f"policy '{self.policy.name}' drafts a tree and needs a drafter ({', '.join(DRAFTERS[1:])} or a head folder)")
+            raise ValueError(f"policy '{self.policy.name}' drafts a tree and needs a drafter ({', '.join(DRAFTERS[1:])} or a "
+                             f"head folder)")
         self.model, self.tokenizer = load_target(Path(model), dtype=dtype, device=device)
         self.drafter = None
         if drafter is not None:
@@ -114,11 +115,11 @@ def _method(policy, drafter, policy_args: dict) -> tuple[str, dict]:
     """(method name, its arguments) from `load`'s `policy`: a method name, or an exported policy folder."""
     if policy is None:
         return ("eagle" if drafter is not None else "ar"), policy_args
-    if str(policy) in METHODS:
+    if str(policy) in method_names():
         return str(policy), policy_args
     path = Path(policy)
     if not path.is_dir():
-        raise ValueError(f"unknown method '{policy}'; allowed: {', '.join(METHODS)}, or an exported policy folder")
+        raise ValueError(f"unknown method '{policy}'; allowed: {', '.join(method_names())}, or an exported policy folder")
     return "ogspo", {**policy_args, "policy_path": path}
 
 

@@ -1,8 +1,10 @@
 """`ogspo` command line: one subcommand per workflow stage, each a thin call into the library.
 
-To add a subcommand, write ``_add_<name>(parser)`` and ``_run_<name>(args) -> int`` and register
-them in ``COMMANDS``. Commands read config via ``--config FILE...`` (people) or ``--config-json``
-(Snakemake rules pass exactly the sections the stage reads) and ``_load_config(args, sections)``. Errors (ConfigError / ValueError / FileNotFoundError) print one line
+A stage's command is its name with dashes (`ogspo.stages.registry.STAGES` declares it once: help,
+config sections, aliases). To add one, declare the stage there, write ``_add_<name>(parser)`` and
+``_run_<name>(args) -> int`` and list them in ``STAGE_COMMANDS``. Commands read config via
+``--config FILE...`` (people) or ``--config-json`` (Snakemake rules pass exactly the stage's sections)
+and ``_load_config(args)``. Errors (ConfigError / ValueError / FileNotFoundError) print one line
 ``ogspo: error: ...`` on stderr and exit with status 2.
 """
 
@@ -15,42 +17,44 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ogspo.analysis.summary import render_summary
 from ogspo.api import load
-from ogspo.artifacts.io import write_text
 from ogspo.artifacts.latency import LatencyModel
-from ogspo.artifacts.oracle import write_oracle
-from ogspo.artifacts.records import load_records, summarize_records
+from ogspo.artifacts.records import temperature_tag
 from ogspo.engine.kernels import describe, read_kernel_table, write_kernel_table
+from ogspo.engine.model import load_target, load_tokenizer
 from ogspo.engine.tree import Structure
-from ogspo.methods.registry import ARTIFACT_KINDS, DRAFTERS, METHODS, make_drafter, make_target
-from ogspo.offline.replay import replay_cycles
-from ogspo.offline.solve import combine_cycles, solve_oracle
-from ogspo.stages.calibrate import CALIBRATION_TEXT, calibrate_device_kernels, calibrate_latency, write_calibration
-from ogspo.stages.config import ConfigError, check_temperature, load_config
-from ogspo.stages.evaluate import (
-    evaluate_methods,
-    load_prompts,
+from ogspo.methods.registry import (
+    DRAFTERS,
+    LoadedEngine,
+    artifact_kinds,
+    load_engine,
+    method_names,
     method_specs,
-    oracle_throughputs,
     structure_policy,
-    write_evaluation,
 )
+from ogspo.stages.build_sequoia import build_sequoia
+from ogspo.stages.calibrate_kernels import calibrate_device_kernels
+from ogspo.stages.calibrate_latency import CALIBRATION_TEXT, calibrate_latency, write_calibration
+from ogspo.stages.collect_records import collect_records, read_calib_table
+from ogspo.stages.config import ConfigError, check_temperature, load_config
+from ogspo.stages.evaluate import evaluate_methods, load_prompts, oracle_throughputs, write_evaluation
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.export_tree import export_trees, write_export
 from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
-from ogspo.stages.model import load_target, load_tokenizer, prepare_model, read_manifest
-from ogspo.stages.records import collect_records, read_calib_table
+from ogspo.stages.ogspo_rounds import run_rounds_stage
+from ogspo.stages.prepare_model import prepare_model
+from ogspo.stages.prepare_workloads import prepare_workloads
+from ogspo.stages.registry import STAGES
 from ogspo.stages.report import write_report
-from ogspo.stages.resolve import resolve_device
-from ogspo.stages.rounds import run_rounds_stage
-from ogspo.stages.routing import run_train_routing
-from ogspo.stages.sequoia import build_sequoia
-from ogspo.stages.summary import render_summary, temperature_tag
+from ogspo.stages.resolve_device import resolve_device
+from ogspo.stages.solve_oracle import run_solve_oracle
+from ogspo.stages.summarize_records import summarize_records_dirs
 from ogspo.stages.train_drafter import run_train_drafter
 from ogspo.stages.train_gto import run_train_gto
-from ogspo.stages.train_policy import run_train_policy
-from ogspo.stages.tune import tune_eagle, write_tuning
-from ogspo.stages.workloads import prepare_workloads
+from ogspo.stages.train_policy_only import run_train_policy
+from ogspo.stages.train_routing import run_train_routing
+from ogspo.stages.tune_eagle import tune_eagle, write_tuning
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    stage: str | None = None  # the workflow stage it runs (`ogspo.stages.registry.STAGES`)
 
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +77,8 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_config(args: argparse.Namespace, sections: tuple[str, ...]) -> dict:
+def _load_config(args: argparse.Namespace) -> dict:
+    """The config sections the command's stage reads (`ogspo.stages.registry.STAGES`), validated."""
     if args.config_json is not None:
         try:
             source = json.loads(args.config_json)
@@ -82,19 +88,17 @@ def _load_config(args: argparse.Namespace, sections: tuple[str, ...]) -> dict:
             raise ConfigError("config error at '<json>': must be a JSON object")
     else:
         source = args.config
-    return load_config(source, sections=sections)
+    return load_config(source, sections=STAGES[args.stage].sections)
 
 
 # ---------------------------------------------------------------- prepare-model
-
-
 def _add_prepare_model(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     p.add_argument("--out", required=True, type=Path, help="folder to write the prepared model to")
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("model", "dtype", "torch_device"))
+    cfg = _load_config(args)
     prepared = prepare_model(source=cfg["model"], out_dir=args.out, dtype=cfg["dtype"], device=cfg["torch_device"])
     print(f"prepared {prepared.source} -> {prepared.path} (sha256 {prepared.checksum[:16]}..., "
           f"source load {prepared.load_seconds:.1f} s)")
@@ -102,8 +106,6 @@ def _run_prepare_model(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- prepare-workloads
-
-
 def _add_prepare_workloads(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     p.add_argument("--model", required=True, type=Path, help="prepared model folder (for its tokenizer)")
@@ -111,7 +113,7 @@ def _add_prepare_workloads(p: argparse.ArgumentParser) -> None:
 
 
 def _run_prepare_workloads(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("workloads", "seed"))
+    cfg = _load_config(args)
     result = prepare_workloads(config=cfg, tokenizer=load_tokenizer(args.model), out_dir=args.out)
     for t in result.tables:
         print(f"{t.name}: {t.n_train} train + {t.n_calib} calib + {t.n_eval} eval prompts -> {t.path} "
@@ -120,12 +122,10 @@ def _run_prepare_workloads(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- generate
-
-
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
-    p.add_argument("--method", default="eagle", help=f"one of {', '.join(METHODS)} (default eagle)")
+    p.add_argument("--method", default="eagle", help=f"one of {', '.join(method_names())} (default eagle)")
     p.add_argument("--drafter", default="lookup", help=f"one of {', '.join(DRAFTERS)} (default lookup)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -143,7 +143,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-path", type=Path, help="trained head folder (drafter eagle)")
     p.add_argument("--max-len", type=int, default=4096, help="KV cache rows")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: the dtype it was prepared in)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: the dtype it was prepared in)")
     _add_kernels(p)
 
 
@@ -155,7 +156,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                    kernels=_read_kernels(args), early_exit_layers=args.early_exit_layers, k=args.k, structure=args.structure,
                    total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k, policy_path=args.policy,
                    router_path=args.router)
-    result = decoder.generate(args.prompt, args.max_new_tokens, args.temperature, top_p=args.top_p, seed=args.seed, chat=args.chat,
+    result = decoder.generate(args.prompt, args.max_new_tokens, args.temperature, top_p=args.top_p, seed=args.seed,
+                              chat=args.chat,
                               on_text=lambda text: print(text, end="", flush=True))
     r = result.generation
     split = r.time_split()
@@ -169,11 +171,14 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- latency, records
+def _add_records(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
+    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
 
 
 def _add_model_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path, help="prepared model folder")
-    p.add_argument("--drafter", required=True, help=f"drafter spec for ogspo.methods.make_drafter ({', '.join(DRAFTERS)}, ...)")
+    p.add_argument("--drafter", required=True, help=f"drafter: {', '.join(DRAFTERS)} (ogspo.methods.registry.make_drafter)")
     p.add_argument("--drafter-path", type=Path, help="drafter folder (trained drafters), passed to make_drafter as path=")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache rows")
     _add_kernels(p)
@@ -187,20 +192,9 @@ def _read_kernels(args: argparse.Namespace):
     return None if args.kernels is None else read_kernel_table(args.kernels)
 
 
-def _load_model_drafter(args: argparse.Namespace, cfg: dict):
-    """(target TreeLM, drafter, model checksum, drafter id, tokenizer), on the config's `torch_device`, in the
-    dtype the model was prepared in."""
-
-    kernels = _read_kernels(args)
-    checksum = read_manifest(args.model)["checksum_sha256"]
-    model, tokenizer = load_target(args.model, device=cfg["torch_device"])
-    extra = {} if args.drafter_path is None else {"path": args.drafter_path, "target_checksum": checksum}
-    drafter = make_drafter(args.drafter, target_model=model, max_len=args.max_len, kernels=kernels, **extra)
-    drafter_id = drafter.drafter_id or (
-        args.drafter if args.drafter_path is None else f"{args.drafter}:{Path(args.drafter_path).resolve().name}"
-    )
-    target = make_target(model, max_len=args.max_len, drafter=drafter, kernels=kernels)
-    return target, drafter, checksum, drafter_id, tokenizer
+def _load_engine(args: argparse.Namespace, cfg: dict) -> LoadedEngine:
+    return load_engine(args.model, drafter=args.drafter, drafter_path=args.drafter_path, max_len=args.max_len,
+                       kernels=_read_kernels(args), device=cfg["torch_device"])
 
 
 def _add_calibrate_kernels(p: argparse.ArgumentParser) -> None:
@@ -211,7 +205,7 @@ def _add_calibrate_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_kernels(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("kernels", "torch_device"))
+    cfg = _load_config(args)
     model, _ = load_target(args.model, device=cfg["torch_device"])
     table, cached = calibrate_device_kernels(model, cfg["kernels"], device=cfg["torch_device"], cache=args.cache_dir,
                                              log=lambda m: print(m, flush=True))
@@ -229,9 +223,10 @@ def _add_calibrate_latency(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate_latency(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("latency", "seed", "torch_device"))
+    cfg = _load_config(args)
     lat = cfg["latency"]
-    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
+    e = _load_engine(args, cfg)
+    target, drafter, checksum, drafter_id, tok = e.target, e.drafter, e.model_checksum, e.drafter_id, e.tokenizer
     cal = calibrate_latency(
         target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
         draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
@@ -241,7 +236,8 @@ def _run_calibrate_latency(args: argparse.Namespace) -> int:
     write_calibration(cal, json_path=args.out_json, png_path=args.out_png)
     m = cal.model
     print(
-        f"latency model ({m.slope_mode} slope in L): t_verify(1, {m.contexts[0]}) {1e3 * float(m.t_verify(1, m.contexts[0])):.1f} ms, "
+        f"latency model ({m.slope_mode} slope in L): t_verify(1, {m.contexts[0]}) "
+        f"{1e3 * float(m.t_verify(1, m.contexts[0])):.1f} ms, "
         f"t_verify({m.sizes[-1]}, {m.contexts[-1]}) {1e3 * float(m.t_verify(m.sizes[-1], m.contexts[-1])):.1f} ms, "
         f"t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_fixed {1e3 * m.fixed:.1f} ms; held-out MdAPE "
         f"{100 * cal.mdape:.1f}% over {len(cal.validation)} shapes; {cal.seconds:.0f} s -> {args.out_json}"
@@ -258,12 +254,13 @@ def _add_collect_records(p: argparse.ArgumentParser) -> None:
 
 
 def _run_collect_records(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("records", "seed", "torch_device"))
+    cfg = _load_config(args)
     rc = cfg["records"]
     tpl = rc["template"]
     check_temperature(args.temperature, cfg)
     table = read_calib_table(args.workload_file, rc["prompts_per_workload"])
-    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
+    e = _load_engine(args, cfg)
+    target, drafter, checksum, drafter_id, tok = e.target, e.drafter, e.model_checksum, e.drafter_id, e.tokenizer
     prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
     ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
     res = collect_records(
@@ -287,26 +284,12 @@ def _add_summarize_records(p: argparse.ArgumentParser) -> None:
 
 
 def _run_summarize_records(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-
-    checksum = read_manifest(args.model)["checksum_sha256"] if args.model else None
-    out, md = {}, ["# Posterior verification records", ""]
-    for d in args.records:
-        rec = load_records(d, expect_model=checksum, expect_drafter=args.drafter)
-        s = summarize_records(rec)
-        name = f"{d.parent.name}/{d.name}"
-        out[name] = asdict(s)
-        md.append(s.to_markdown(name))
-    for path, text in ((args.out_json, json.dumps(out, indent=1) + "\n"), (args.out_md, "\n".join(md))):
-        write_text(path, text)
+    summarize_records_dirs(args.records, model=args.model, drafter=args.drafter, out_json=args.out_json, out_md=args.out_md)
     print(f"summarised {len(args.records)} records folders -> {args.out_json}, {args.out_md}")
     return 0
 
 
 # ---------------------------------------------------------------- drafter
-
-
 def _fortunes_dir(cfg: dict) -> str | None:
     """The fortunes folder the drafter's extra training prompts come from (None without that workload)."""
     return (cfg["workloads"].get("fortunes") or {}).get("dir")
@@ -322,7 +305,7 @@ def _add_train_drafter(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_drafter(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
+    cfg = _load_config(args)
     r = run_train_drafter(model_dir=args.model, workloads_dir=args.workloads, out_dir=args.out, work_dir=args.work,
                           fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"],
                           kernels_path=args.kernels)
@@ -340,7 +323,7 @@ def _add_train_gto(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_gto(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("drafter", "seed", "workloads", "torch_device"))
+    cfg = _load_config(args)
     r = run_train_gto(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads, out_dir=args.out,
                       fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"],
                       device=cfg["torch_device"])
@@ -361,7 +344,7 @@ def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
 
 
 def _run_measure_drafter(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("measure_drafter", "seed", "torch_device"))
+    cfg = _load_config(args)
     m = cfg["measure_drafter"]
     result = measure_drafter(
         model_dir=args.model, drafter_dirs={"base": args.drafter} | ({"gto": args.gto_drafter} if args.gto_drafter else {}),
@@ -376,20 +359,15 @@ def _run_measure_drafter(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- solve-oracle
-
-
 def _add_solve_oracle(p: argparse.ArgumentParser) -> None:
     _add_config(p)
-    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
-    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    _add_records(p)
     p.add_argument("--out", required=True, type=Path, help="oracle JSON to write")
 
 
 def _run_solve_oracle(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("solve",))
-    cycles = combine_cycles([replay_cycles(load_records(d)) for d in args.records])
-    result = solve_oracle(cycles=cycles, latency=LatencyModel.from_json(args.latency), config=cfg)
-    write_oracle(result, args.out)
+    cfg = _load_config(args)
+    result = run_solve_oracle(records_dirs=args.records, latency_path=args.latency, config=cfg, out=args.out)
     print(
         f"oracle: {result.throughput:.3f} tokens/s (bound {result.ratio_upper_bound:.3f}), |S| = {len(result.structure)}, "
         f"{result.iterations} Dinkelbach iterations, {result.solve_seconds:.1f} s, {result.n_cycles} cycles in "
@@ -399,12 +377,9 @@ def _run_solve_oracle(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- train-policy
-
-
 def _add_train_policy(p: argparse.ArgumentParser) -> None:
     _add_config(p)
-    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
-    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    _add_records(p)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--oracle", type=Path, help="oracle JSON: its structure is kept fixed")
     which.add_argument("--template", action="store_true",
@@ -414,7 +389,7 @@ def _add_train_policy(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train_policy(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("policy", "seed"))
+    cfg = _load_config(args)
     r = run_train_policy(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle,
                          out_dir=args.out, config=cfg["policy"], seed=cfg["seed"])
     if r.train is None:
@@ -432,17 +407,17 @@ def _run_train_policy(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- resolve-device
-
-
 def _add_resolve_device(p: argparse.ArgumentParser) -> None:
     _add_config(p)
-    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template, one temperature)")
-    p.add_argument("--latency", required=True, type=Path, help="latency.json calibrated on the other device (same model and head)")
+    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR",
+                   help="records folders (one template, one temperature)")
+    p.add_argument("--latency", required=True, type=Path,
+                   help="latency.json calibrated on the other device (same model and head)")
     p.add_argument("--out", required=True, type=Path, help="folder to write (oracle.json, policy/, resolve.json)")
 
 
 def _run_resolve_device(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("solve", "policy", "seed"))
+    cfg = _load_config(args)
     r = resolve_device(records_dirs=args.records, latency_path=args.latency, out_dir=args.out, config=cfg, seed=cfg["seed"])
     pol = f", policy J {r.policy.train.train.throughput:.3f}" if r.policy.train else ", autoregressive"
     edge = f"; at the template's limits: {'; '.join(r.template_edges)}" if r.template_edges else ""
@@ -451,13 +426,10 @@ def _run_resolve_device(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- ogspo-rounds, export-policy
-
-
 def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     _add_model_drafter(p)
-    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
-    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    _add_records(p)
     p.add_argument("--oracle", required=True, type=Path, help="oracle JSON (the rounds start from its structure)")
     p.add_argument("--workloads", required=True, type=Path, help="folder of {workload}.parquet (the records' prompts)")
     p.add_argument("--sequoia", type=Path, help="Sequoia's structure.json: a static tree the policy must beat to ship")
@@ -466,11 +438,11 @@ def _add_ogspo_rounds(p: argparse.ArgumentParser) -> None:
 
 
 def _run_ogspo_rounds(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("rounds", "policy", "solve", "seed", "torch_device"))
+    cfg = _load_config(args)
 
     def load_engine():
-        target, drafter, checksum, drafter_id, tokenizer = _load_model_drafter(args, cfg)
-        return target, drafter, tokenizer, checksum, drafter_id
+        e = _load_engine(args, cfg)
+        return e.target, e.drafter, e.tokenizer, e.model_checksum, e.drafter_id
 
     r = run_rounds_stage(records_dirs=args.records, latency_path=args.latency, oracle_path=args.oracle, out_dir=args.out,
                          load_engine=load_engine, workloads_dir=args.workloads, config=cfg, seed=cfg["seed"],
@@ -479,10 +451,12 @@ def _run_ogspo_rounds(args: argparse.Namespace) -> int:
         print(f"ogspo rounds: none run, the oracle's structure is empty (autoregressive decoding is best) -> {args.out}")
         return 0
     for row in r.rows:
-        print(f"round {row.round}: |S| {row.structure_size}, surrogate J {row.surrogate_J:.3f}, same-trace {row.same_trace_J:.3f} "
+        print(f"round {row.round}: |S| {row.structure_size}, surrogate J {row.surrogate_J:.3f}, same-trace "
+              f"{row.same_trace_J:.3f} "
               f"(predicted {row.predicted_J:.3f}), corrected {row.corrected_J:.3f}, posterior bound {row.posterior_bound:.3f}, "
               f"{'accepted' if row.accepted else 'rejected'}")
-    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason}; {r.ship.reason} -> {args.out}")
+    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason}; {r.ship.reason} -> "
+          f"{args.out}")
     return 0
 
 
@@ -500,17 +474,14 @@ def _run_export_policy(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- baselines: build-sequoia, train-routing
-
-
 def _add_build_sequoia(p: argparse.ArgumentParser) -> None:
     _add_config(p)
-    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
-    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    _add_records(p)
     p.add_argument("--out", required=True, type=Path, help="folder to write (structure.json, sequoia.json)")
 
 
 def _run_build_sequoia(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("baselines",))
+    cfg = _load_config(args)
     r = build_sequoia(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["sequoia"], out_dir=args.out)
     replayed = (f"replayed {r.replayed[r.size]:.3f} tokens/s on {r.n_cycles} record cycles" if r.inside_template
                 else "outside the records template (no replay figure)")
@@ -522,13 +493,12 @@ def _run_build_sequoia(args: argparse.Namespace) -> int:
 
 def _add_train_routing(p: argparse.ArgumentParser) -> None:
     _add_config(p)
-    p.add_argument("--records", nargs="+", required=True, type=Path, metavar="DIR", help="records folders (one template)")
-    p.add_argument("--latency", required=True, type=Path, help="latency.json of the device")
+    _add_records(p)
     p.add_argument("--out", required=True, type=Path, help="folder to write (router.json, train.json)")
 
 
 def _run_train_routing(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("baselines", "seed"))
+    cfg = _load_config(args)
     r = run_train_routing(records_dirs=args.records, latency_path=args.latency, config=cfg["baselines"]["routing"],
                           seed=cfg["seed"], out_dir=args.out)
     tr, ho = r.train, r.holdout
@@ -539,8 +509,6 @@ def _run_train_routing(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- tune-eagle, evaluate, report
-
-
 def _key_paths(pairs: list[str] | None, what: str, allowed: tuple[str, ...] | None = None) -> dict[str, str]:
     """KEY=PATH arguments as a dict (one clear line on a malformed or unknown KEY)."""
     out = {}
@@ -557,7 +525,8 @@ def _key_paths(pairs: list[str] | None, what: str, allowed: tuple[str, ...] | No
 def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     _add_model_drafter(p)
-    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (calib split is used)")
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET",
+                   help="workload files (calib split is used)")
     p.add_argument("--temperature", required=True, type=float)
     p.add_argument("--static", type=Path, help="Sequoia's structure.json at this temperature: run beside the grid, so the "
                    "best baseline (ar, eagle-tuned, sequoia) is picked on calib prompts")
@@ -565,10 +534,11 @@ def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
 
 
 def _run_tune_eagle(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
+    cfg = _load_config(args)
     ev = cfg["evaluate"]
     check_temperature(args.temperature, cfg)
-    target, drafter, _, _, tok = _load_model_drafter(args, cfg)
+    e = _load_engine(args, cfg)
+    target, drafter, tok = e.target, e.drafter, e.tokenizer
     prompts = load_prompts(args.workloads, tok, split="calib", n=ev["tune_prompts_per_workload"])
     static = None if args.static is None else structure_policy(args.static, "sequoia")
     res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
@@ -582,21 +552,24 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
 def _add_evaluate(p: argparse.ArgumentParser) -> None:
     _add_config(p)
     _add_model_drafter(p)
-    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET", help="workload files (eval split is used)")
+    p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET",
+                   help="workload files (eval split is used)")
     p.add_argument("--latency", type=Path, help="latency.json (surrogate-predicted throughput)")
-    p.add_argument("--oracle", nargs="*", metavar="TAG=PATH", help="oracle JSON per temperature tag, e.g. T0=results/cpu/solve/oracle_T0.json")
-    p.add_argument("--artifact", nargs="*", metavar="KIND=PATH", help=f"artifact path template per method kind, {{T}} = temperature "
-                   f"tag; kinds: {', '.join(ARTIFACT_KINDS)}")
+    p.add_argument("--oracle", nargs="*", metavar="TAG=PATH",
+                   help="oracle JSON per temperature tag, e.g. T0=results/cpu/solve/oracle_T0.json")
+    p.add_argument("--artifact", nargs="*", metavar="KIND=PATH",
+                   help=f"artifact path template per method kind, {{T}} = temperature "
+                   f"tag; kinds: {', '.join(artifact_kinds())}")
     p.add_argument("--out-requests", required=True, type=Path, help="requests.parquet to write")
     p.add_argument("--out-summary", required=True, type=Path, help="summary.json to write")
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    cfg = _load_config(args, ("evaluate", "records", "seed", "torch_device"))
+    cfg = _load_config(args)
     ev = cfg["evaluate"]
-    specs = method_specs(methods=ev["methods"], chains=ev["chains"], eagle_default=ev["eagle_default"])
-    artifacts = _key_paths(args.artifact, "--artifact", ARTIFACT_KINDS)
-    lacking = sorted({s.kind for s in specs if s.kind in ARTIFACT_KINDS} - set(artifacts))
+    specs = method_specs(ev["methods"], ev)
+    artifacts = _key_paths(args.artifact, "--artifact", artifact_kinds())
+    lacking = sorted({s.kind for s in specs if s.kind in artifact_kinds()} - set(artifacts))
     if lacking:
         raise ValueError(f"evaluate.methods needs --artifact for {', '.join(lacking)} (KIND=PATH with {{T}})")
     temperatures = [float(t) for t in cfg["records"]["temperatures"]]
@@ -604,8 +577,10 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     unknown = sorted(set(oracle) - {temperature_tag(t) for t in temperatures})
     if unknown:
         raise ValueError(f"--oracle {unknown[0]}: not a temperature tag of records.temperatures {cfg['records']['temperatures']}")
-    target, drafter, checksum, drafter_id, tok = _load_model_drafter(args, cfg)
-    latency = None if args.latency is None else LatencyModel.from_json(args.latency, expect_model=checksum, expect_drafter=drafter_id)
+    e = _load_engine(args, cfg)
+    target, drafter, checksum, drafter_id, tok = e.target, e.drafter, e.model_checksum, e.drafter_id, e.tokenizer
+    latency = None if args.latency is None else LatencyModel.from_json(args.latency, expect_model=checksum,
+                                                                       expect_drafter=drafter_id)
     prompts = load_prompts(args.workloads, tok, split="eval", n=ev["prompts_per_workload"])
     res = evaluate_methods(
         target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
@@ -627,10 +602,12 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=Path, help="latency.json (latency model fit plot)")
     p.add_argument("--records-summary", type=Path, help="records/summary.json (acceptance by depth plot)")
     p.add_argument("--structure", nargs="*", metavar="TAG=PATH", help="OGSPO structure.json per temperature tag")
-    p.add_argument("--rounds", nargs="*", metavar="TAG=PATH", help="rounds.parquet per temperature tag (absent files: plot left out)")
+    p.add_argument("--rounds", nargs="*", metavar="TAG=PATH",
+                   help="rounds.parquet per temperature tag (absent files: plot left out)")
     p.add_argument("--drafter-eval", type=Path, help="drafter_eval/acceptance.json (the draft heads side by side)")
     p.add_argument("--head", nargs="*", metavar="LABEL=PATH", help="drafter folder per head label (base, gto): training figures")
-    p.add_argument("--sequoia", nargs="*", metavar="TAG=PATH", help="sequoia.json per temperature tag: AR and the static tree replayed on the records")
+    p.add_argument("--sequoia", nargs="*", metavar="TAG=PATH",
+                   help="sequoia.json per temperature tag: AR and the static tree replayed on the records")
     p.add_argument("--out", required=True, type=Path, help="report folder")
 
 
@@ -661,29 +638,33 @@ def _run_export_tree(args: argparse.Namespace) -> int:
     return 0
 
 
+# stage name -> (its arguments, its run); help, config sections and aliases come from the stage's declaration
+STAGE_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "prepare_model": (_add_prepare_model, _run_prepare_model),
+    "prepare_workloads": (_add_prepare_workloads, _run_prepare_workloads),
+    "train_drafter": (_add_train_drafter, _run_train_drafter),
+    "train_gto": (_add_train_gto, _run_train_gto),
+    "measure_drafter": (_add_measure_drafter, _run_measure_drafter),
+    "calibrate_kernels": (_add_calibrate_kernels, _run_calibrate_kernels),
+    "calibrate_latency": (_add_calibrate_latency, _run_calibrate_latency),
+    "collect_records": (_add_collect_records, _run_collect_records),
+    "summarize_records": (_add_summarize_records, _run_summarize_records),
+    "solve_oracle": (_add_solve_oracle, _run_solve_oracle),
+    "train_policy_only": (_add_train_policy, _run_train_policy),
+    "resolve_device": (_add_resolve_device, _run_resolve_device),
+    "ogspo_rounds": (_add_ogspo_rounds, _run_ogspo_rounds),
+    "export_policy": (_add_export_policy, _run_export_policy),
+    "build_sequoia": (_add_build_sequoia, _run_build_sequoia),
+    "train_routing": (_add_train_routing, _run_train_routing),
+    "tune_eagle": (_add_tune_eagle, _run_tune_eagle),
+    "evaluate": (_add_evaluate, _run_evaluate),
+    "report": (_add_report, _run_report),
+    "export_tree": (_add_export_tree, _run_export_tree),
+}
+
 COMMANDS: dict[str, Command] = {
-    "prepare-model": Command("prepare the target model as a safetensors folder", _add_prepare_model, _run_prepare_model),
-    "prepare-workloads": Command("build the prompt sets", _add_prepare_workloads, _run_prepare_workloads),
-    "train-drafter": Command("train the EAGLE-3-style draft head", _add_train_drafter, _run_train_drafter),
-    "train-gto": Command("fine-tune the draft head with GTO on the trees it is decoded with", _add_train_gto, _run_train_gto),
-    "measure-drafter": Command("measure the head's acceptance on eval prompts", _add_measure_drafter, _run_measure_drafter),
     "generate": Command("decode one prompt with a speculative method, streaming", _add_generate, _run_generate),
-    "calibrate-kernels": Command("time matmul kernels per weight class and row count on this device", _add_calibrate_kernels, _run_calibrate_kernels),
-    "calibrate-latency": Command("measure the per-device latency model", _add_calibrate_latency, _run_calibrate_latency),
-    "collect-records": Command("collect posterior verification records", _add_collect_records, _run_collect_records),
-    "summarize-records": Command("summarise posterior verification records", _add_summarize_records, _run_summarize_records),
-    "solve-oracle": Command("posterior-optimal structure and stop depths (OGSPO step 0)", _add_solve_oracle, _run_solve_oracle),
-    "train-policy": Command("train the OGSPO stop policy for a fixed structure and export it to ONNX", _add_train_policy, _run_train_policy),
-    "resolve-device": Command("re-solve structure and stop policy for another device from records and its latency.json",
-                              _add_resolve_device, _run_resolve_device),
-    "ogspo-rounds": Command("alternating OGSPO rounds with same-trace correction", _add_ogspo_rounds, _run_ogspo_rounds),
-    "export-policy": Command("export the final head of OGSPO rounds as a policy folder", _add_export_policy, _run_export_policy),
-    "build-sequoia": Command("Sequoia-style static tree from records (baseline)", _add_build_sequoia, _run_build_sequoia),
-    "train-routing": Command("pre-drafting routing classifier from records (baseline)", _add_train_routing, _run_train_routing),
-    "tune-eagle": Command("grid-search EAGLE-3 tree settings (and pick the best baseline) on calib prompts", _add_tune_eagle, _run_tune_eagle),
-    "evaluate": Command("all methods side by side on eval prompts, with the lossless check", _add_evaluate, _run_evaluate),
-    "report": Command("tables and plots from the evaluation", _add_report, _run_report),
-    "export-tree": Command("the shipped tree, Sequoia's and tuned EAGLE-3's as vLLM and SGLang settings", _add_export_tree, _run_export_tree),
+    **{STAGES[name].command: Command(STAGES[name].help, add, run, stage=name) for name, (add, run) in STAGE_COMMANDS.items()},
 }
 
 
@@ -691,9 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ogspo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        aliases = STAGES[cmd.stage].aliases if cmd.stage else ()
+        p = sub.add_parser(name, aliases=list(aliases), help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
-        p.set_defaults(_run=cmd.run)
+        p.set_defaults(_run=cmd.run, stage=cmd.stage)
     return parser
 
 

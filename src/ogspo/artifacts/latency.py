@@ -10,7 +10,8 @@ cache compaction grow with the tree). A drafted cycle that commits A tokens also
 tokens for the drafter to re-encode at the next cycle's first level (the EAGLE head's catch-up): that
 cost, t_catchup(A) = catchup[0] + ... + catchup[A - 2] (the j-th accepted token adds catchup[j - 1]; past
 the table, nothing), is booked on the cycle that commits them, so t_c depends on A like J does, and stays
-a sum over accepted path nodes (linear in the solvers' acceptance indicators). Measured by the stage `calibrate_latency` (`ogspo.stages.calibrate`).
+a sum over accepted path nodes (linear in the solvers' acceptance indicators). Measured by the stage
+`calibrate_latency` (`ogspo.stages.calibrate_latency`).
 
 The tables hold the machine's mean state. A shared CPU changes state within minutes, and not uniformly
 across shapes: on the 2-core AMD EPYC a one-row forward flips between ~7.5 and ~11 ms while an 8-row
@@ -86,7 +87,7 @@ class LatencyModel:
         return np.interp(n, np.asarray(self.sizes, dtype=np.float64), np.asarray(self.drift_elasticity))
 
     def speed_ratio(self, probe_seconds: float, L) -> float:
-        """The machine state from a probe (`stages.evaluate.probe_speed`: a one-row forward on L committed
+        """The machine state from a probe (`methods.harness.probe_speed`: a one-row forward on L committed
         tokens): its time over what it reads in the tables' mean state."""
         return float(probe_seconds) / (self.probe_level * float(self.t_verify(1, L)))
 
@@ -169,7 +170,8 @@ class LatencyModel:
         if len(model.draft_table) != len(model.draft_widths) or len(model.verify_slope) != len(model.sizes):
             raise ValueError(f"{src}: table lengths do not match their axes")
         if model.drift_elasticity and len(model.drift_elasticity) != len(model.sizes):
-            raise ValueError(f"{src}: drift_elasticity has {len(model.drift_elasticity)} values for {len(model.sizes)} table sizes")
+            raise ValueError(f"{src}: drift_elasticity has {len(model.drift_elasticity)} values for {len(model.sizes)} table "
+                             f"sizes")
         if not model.probe_level > 0:
             raise ValueError(f"{src}: probe_level must be > 0, got {model.probe_level}")
         got_model, got_drafter = model.meta.get("model_checksum"), model.meta.get("drafter")

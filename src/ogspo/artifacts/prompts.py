@@ -1,6 +1,6 @@
 """Prompt sources: MT-Bench questions, HumanEval problems and Debian fortunes, read from the installed
 packages and the fortunes folder (no download), and the user's own prompts from a JSONL file
-(`read_jsonl_prompts`). The stage `prepare_workloads` (`stages.workloads`) turns them into workload tables."""
+(`read_jsonl_prompts`). The stage `prepare_workloads` (`stages.prepare_workloads`) turns them into workload tables."""
 
 from __future__ import annotations
 

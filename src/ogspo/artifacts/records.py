@@ -1,6 +1,6 @@
 """Posterior verification records (docs/DESIGN.md §3): the shard format, its reader and writer.
 
-Written by the stage `collect_records` (`ogspo.stages.records`); see there for the node and cycle tables.
+Written by the stage `collect_records` (`ogspo.stages.collect_records`); see there for the node and cycle tables.
 A *shard* covers consecutive prompts and is two parquet files carrying the same key-value metadata
 ``ogspo_records`` (JSON: schema version, model checksum, drafter id, template rank paths,
 temperature, seed, shard index, row counts); ``shard-XXXX.nodes.parquet`` is written first,
@@ -34,6 +34,11 @@ def path_str(path) -> str:
 def template_index(template: Structure) -> dict[tuple[int, ...], int]:
     """Rank path -> template node id (root () = 0, then `to_list()` order)."""
     return {(): 0, **{tuple(p): i + 1 for i, p in enumerate(template.to_list())}}
+
+
+def temperature_tag(temperature: float) -> str:
+    """0 -> T0, 1.0 -> T1, 0.7 -> T0.7 (as the records, solve and policy folders are named)."""
+    return f"T{float(temperature):g}"
 
 
 def request_seed(seed: int, request_id: str) -> int:
@@ -131,7 +136,8 @@ def load_records(
         if not cycle_files:
             raise ValueError(f"no records shards in {path}")
         if len(node_only) != len(cycle_files):
-            raise ValueError(f"records folder {path} has an incomplete shard ({len(node_only)} node files, {len(cycle_files)} cycle files)")
+            raise ValueError(f"records folder {path} has an incomplete shard ({len(node_only)} node files, {len(cycle_files)} "
+                             f"cycle files)")
     elif path.is_file():
         cycle_files = [path]
     else:

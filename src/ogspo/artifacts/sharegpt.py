@@ -125,7 +125,8 @@ def read_sharegpt(path: Path | None = None, *, limit: int | None = None) -> Shar
                         continue
                     if e.msg.startswith("Unterminated string") or e.pos >= len(buf.rstrip()) - 1:
                         return ShareGPTRead(out, records, dropped, truncated=True, roles=roles)  # the shipped file's cut
-                    raise ValueError(f"{path}: record {records} is not valid JSON ({e.msg}), before the end of the file") from None
+                    raise ValueError(f"{path}: record {records} is not valid JSON ({e.msg}), "
+                                     "before the end of the file") from None
             pos = end
             turns = _turns(record, records, path)
             records += 1

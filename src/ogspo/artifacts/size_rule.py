@@ -70,9 +70,11 @@ def read_size_rule(path: Path) -> SizeRule:
         raise ValueError(f"size rule {path}: not a size.json of schema version {SCHEMA_VERSION}")
     want = set(SizeRule.__dataclass_fields__)
     if set(data) != want:
-        raise ValueError(f"size rule {path}: wrong keys (missing {sorted(want - set(data))}, unexpected {sorted(set(data) - want)})")
+        raise ValueError(f"size rule {path}: wrong keys (missing {sorted(want - set(data))}, unexpected "
+                         f"{sorted(set(data) - want)})")
     rule = SizeRule(**data)
-    if len(rule.probs) != len(rule.edges) + 1 or len(rule.verify_slope) != len(rule.verify_intercept) or not rule.verify_intercept:
+    if (len(rule.probs) != len(rule.edges) + 1 or len(rule.verify_slope) != len(rule.verify_intercept)
+            or not rule.verify_intercept):
         raise ValueError(f"size rule {path}: table lengths do not match (probs = edges + 1, one slope per intercept)")
     if np.any(np.diff(rule.edges) < 0) or np.any(np.diff(rule.probs) < -1e-12) or not rule.lam > 0:
         raise ValueError(f"size rule {path}: edges and probs must be non-decreasing and lambda positive")

@@ -408,7 +408,8 @@ def generate_batched(
     The last emitted token (EOS or the token at `max_new_tokens`) is never fed back: the sequence
     ends before it, and its distribution is the target's at the last position."""
     # sampling draws on the CPU from one generator per prompt: the same data on every device and batch size
-    gens = [torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + i) for i in range(len(prompts))] if temperature > 0 else []
+    gens = ([torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + i) for i in range(len(prompts))]
+            if temperature > 0 else [])
     dev = lm.device
     order = np.argsort([len(p) for p in prompts], kind="stable")
     out: list[Sequence | None] = [None] * len(prompts)

@@ -173,9 +173,11 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
                        "texts": len(sg_texts), "requests": len(sg_requests), "dropped": sg_dropped}
     requests: list[str] = []
     if cfg["self_instruct"]:
-        key = _hash({"v": 1, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"], "seed": seed})
+        key = _hash({"v": 1, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"],
+                     "seed": seed})
         requests, _ = _cached(cache / f"requests-{key}.pt", lambda: self_instructions(
-            target_lm(512, writes=True), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"], batch=cfg["gen_batch"],
+            target_lm(512, writes=True), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"],
+            batch=cfg["gen_batch"],
             seed=seed + 1000))
         texts += [TrainText("self-instruct", r, render_chat(tokenizer, r)) for r in requests]
     texts, near_held, repeats = decontaminate(texts, held_out)
@@ -223,7 +225,8 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
     for source, ids in text_sources.items():
         for a in range(0, len(ids), TEXT_BLOCK):
             block = ids[a : a + TEXT_BLOCK]
-            key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"], "ids": _hash(block)})
+            key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"],
+                         "ids": _hash(block)})
             part, was_cached = _cached(cache / f"text-{key}.pt", lambda: read_text(block))
             for s in part:
                 s.source = source
@@ -245,7 +248,8 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
                       generation_tokens_per_second=0.0 if gen_cached or not generated else generated / gen_s,
                       annotation_seconds=ann_s if ann_built else 0.0,
                       annotation_tokens_per_second=ann_built / ann_s if ann_built else 0.0,
-                      annotate_rows=bulk.read_rows if bulk else 0, bulk=bulk.describe() if bulk else {}, sharegpt=sg_info, skipped=skipped, cached=gen_cached and not ann_built)
+                      annotate_rows=bulk.read_rows if bulk else 0, bulk=bulk.describe() if bulk else {}, sharegpt=sg_info,
+                      skipped=skipped, cached=gen_cached and not ann_built)
     return seqs, stats
 
 

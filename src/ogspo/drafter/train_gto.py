@@ -145,7 +145,8 @@ def score_group(lm: TreeLM, seq: Sequence, s: int, trees: list[list[DraftTree]],
         while deepest > 0:
             path.append(int(t.tokens[deepest]))
             deepest = int(t.parents[deepest])
-        scored[i].append(ScoredTree(tree=t, p=p, path=np.array(path[::-1], dtype=np.int64), reward=tree_reward(t.parents, p, eta=eta)))
+        scored[i].append(ScoredTree(tree=t, p=p, path=np.array(path[::-1], dtype=np.int64),
+                                    reward=tree_reward(t.parents, p, eta=eta)))
     return scored
 
 
@@ -200,7 +201,8 @@ class GroupScorer:
         return score_group(self.lm, seq, s, trees, eta=self.eta)
 
 
-def held_out_reward(scorer: GroupScorer, drafter: EagleDrafter, seqs: list[Sequence], groups: np.ndarray, m: int) -> tuple[float, float]:
+def held_out_reward(scorer: GroupScorer, drafter: EagleDrafter, seqs: list[Sequence], groups: np.ndarray,
+                    m: int) -> tuple[float, float]:
     """(mean Draft Tree Reward, mean greedy-accepted path length) of the drafter's trees over `groups`."""
     rewards, accepted = [], []
     for i, s in groups:

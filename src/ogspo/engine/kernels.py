@@ -176,7 +176,8 @@ class KernelTable:
     def check_shapes(self, shapes: dict[str, list[int]]) -> None:
         for cls in (*CLASSES, *([LAYER_OPS] if LAYER_OPS in self.choice else [])):
             if cls in shapes and list(self.shapes.get(cls, [])) != list(shapes[cls]):
-                what = "layer ops of [heads, kv heads, head dim, dim, intermediate]" if cls == LAYER_OPS else f"{cls} weights of shape"
+                what = ("layer ops of [heads, kv heads, head dim, dim, intermediate]" if cls == LAYER_OPS
+                        else f"{cls} weights of shape")
                 raise ValueError(
                     f"kernel table was measured for {what} {self.shapes.get(cls)}, this model has "
                     f"{list(shapes[cls])}: run `ogspo calibrate-kernels` for this model"
@@ -197,11 +198,13 @@ class KernelTable:
                 meta=doc.get("meta", {}))
         for c, ks in t.choice.items():
             if c not in (*CLASSES, LAYER_OPS) or len(ks) != len(t.rows) or len(t.pad_to.get(c, [])) != len(t.rows):
-                raise ValueError(f"kernel table: class '{c}' must be one of {', '.join(CLASSES)}, {LAYER_OPS} with one entry per row count")
+                raise ValueError(f"kernel table: class '{c}' must be one of {', '.join(CLASSES)}, {LAYER_OPS} with one entry per "
+                                 f"row count")
             allowed = (TORCH,) if c == LAYER_OPS else BASE_KERNELS
             bad = set(ks) - set(allowed) - set(native_kernels(64))
             if bad:
-                raise ValueError(f"kernel table: unknown kernel(s) {sorted(bad)} for '{c}'; allowed: {', '.join(allowed)}, native<threads>")
+                raise ValueError(f"kernel table: unknown kernel(s) {sorted(bad)} for '{c}'; allowed: {', '.join(allowed)}, "
+                                 f"native<threads>")
         return t
 
 
@@ -331,9 +334,12 @@ def _layer_ops_runner(name: str, shape: list[int], n_layers: int, eps: float, co
     ln = torch.ones(dim, device="cpu")
     inputs = {}
     for m in rows:
-        attend = None if m == 1 else torch.ones(m, m, dtype=torch.bool, device="cpu").tril_()  # a chain: every row sees its ancestors
-        mask = None if m == 1 else torch.cat([torch.ones(m, context, dtype=torch.bool, device="cpu"), attend], 1)[None, None]  # [1, 1, m, end]
-        step = Step(positions=torch.arange(context, context + m, device="cpu")[None], start=context, committed=context, attend=attend,
+        attend = None if m == 1 else torch.ones(m, m, dtype=torch.bool,
+                                                device="cpu").tril_()  # a chain: every row sees its ancestors
+        mask = None if m == 1 else torch.cat([torch.ones(m, context, dtype=torch.bool, device="cpu"), attend],
+                                             1)[None, None]  # [1, 1, m, end]
+        step = Step(positions=torch.arange(context, context + m, device="cpu")[None], start=context, committed=context,
+                    attend=attend,
                     mask=mask, cos_table=cos, sin_table=sin)
         inputs[m] = (step, torch.randn(1, m, dim, generator=g), 0.01 * torch.randn(1, m, dim, generator=g),
                      torch.randn(1, m, (H + 2 * KV) * hd, generator=g), torch.randn(1, m, 2 * inter, generator=g))
@@ -417,7 +423,8 @@ def _prepare_runners(weights, candidates, rows, shapes, layer_ops, lm_head_max_r
             if require_invariant:
                 alone = alone or one_row_outputs(wts[0], k, x_check, check_rows)
                 if not batch_invariant(wts[0], k, x_check, check_rows, alone):
-                    unavailable[k] = f"not batch-invariant on '{c}' (a row's bits depend on the row count or differ from the reference kernel's)"
+                    unavailable[k] = (f"not batch-invariant on '{c}' (a row's bits depend on the row count or differ "
+                                      "from the reference kernel's)")
                     runners = {ck: r for ck, r in runners.items() if ck[1] != k}
                     continue
             xs = {m: torch.randn(m, shapes[c][1], generator=g) for m in rows if c != "lm_head" or m <= lm_head_max_rows}

@@ -123,7 +123,8 @@ class NativeLayerOps:
         if lib is None:
             raise RuntimeError(f"native layer ops unavailable: {native.unavailable_reason()}")
         if head_dim % native.vector_width():
-            raise RuntimeError(f"native layer ops need a head dimension that is a multiple of {native.vector_width()}, not {head_dim}")
+            raise RuntimeError(f"native layer ops need a head dimension that is a multiple of {native.vector_width()}, not "
+                               f"{head_dim}")
         self.H, self.KV, self.hd, self.eps, self.threads = n_heads, kv_heads, head_dim, eps, threads
         self.name = f"native{threads}"
         self._lib = lib
@@ -144,7 +145,8 @@ class NativeLayerOps:
             r = r.contiguous()
         h = torch.empty_like(x)
         rows = x.numel() // x.shape[-1]
-        self._lib.ogspo_add_rmsnorm(x.data_ptr(), None if r is None else r.data_ptr(), w.data_ptr(), h.data_ptr(), rows, x.shape[-1], self.eps)
+        self._lib.ogspo_add_rmsnorm(x.data_ptr(), None if r is None else r.data_ptr(), w.data_ptr(), h.data_ptr(), rows,
+                                    x.shape[-1], self.eps)
         return x, h
 
     def rope_attention(self, qkv, bias, step: Step, keys, values, *, sliding: bool = False, qk_norm=None):
@@ -160,7 +162,8 @@ class NativeLayerOps:
         for name, t in (("keys", keys), ("values", values)):
             _check_fp32(t, name)
             if not t.is_contiguous() or t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != KV or t.shape[3] != hd:
-                raise ValueError(f"native attention: {name} must be a contiguous [1, {KV}, rows, {hd}] cache, got {tuple(t.shape)}")
+                raise ValueError(f"native attention: {name} must be a contiguous [1, {KV}, rows, {hd}] cache, got "
+                                 f"{tuple(t.shape)}")
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         positions, attend = step.row_inputs  # computed once per forward

@@ -104,7 +104,8 @@ class StaticTree(TreePolicy):
                         break
                     par.append(f), tok.append(exp.tokens[i, r]), rk.append(r), lq.append(exp.logq[i, r])
                     ent.append(exp.entropy[i])
-            new = tree.add_children(parents=np.array(par, dtype=np.int64), tokens=np.array(tok), ranks=np.array(rk), logq=np.array(lq), entropy=np.array(ent))
+            new = tree.add_children(parents=np.array(par, dtype=np.int64), tokens=np.array(tok), ranks=np.array(rk),
+                                    logq=np.array(lq), entropy=np.array(ent))
             paths.extend(paths[p] + (r,) for p, r in zip(par, rk))
             times.append(time.perf_counter() - t0)
             frontier = new

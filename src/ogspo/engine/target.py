@@ -252,7 +252,8 @@ def layer_projections(hf_model, index: int) -> dict[str, torch.Tensor] | None:
     a, m = layer.self_attn, layer.mlp
     if cfg.model_type == "phi3":
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        q, k, v = a.qkv_proj.weight.split([cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd])
+        kv = cfg.num_key_value_heads * hd
+        q, k, v = a.qkv_proj.weight.split([cfg.num_attention_heads * hd, kv, kv])
         gate, up = m.gate_up_proj.weight.chunk(2)
     else:
         q, k, v = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
@@ -335,7 +336,8 @@ class LlamaTreeLM(TreeLM):
         self._ops = {TORCH: self._ops_torch}  # implementation name -> instance
         self._ops_by_rows: dict[int, object] = {}  # row count -> instance
         self._fused: dict[int, tuple[int, ...] | None] = {}  # row count -> matmul threads of the one-call layer, or None
-        self._packed: list[tuple] | None = None  # per layer: the packed qkv, o, gate_up, down (built on the first one-call forward)
+        # per layer: the packed qkv, o, gate_up, down (built on the first one-call forward)
+        self._packed: list[tuple] | None = None
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -378,9 +380,11 @@ class LlamaTreeLM(TreeLM):
         """`_layers` with each decoder layer as one native call; x [1, m, dim] contiguous, updated in place."""
         feats: dict[int, torch.Tensor] = {}
         if self._packed is None:
-            self._packed = [tuple(self.mm[c].weights[i].packed for c in ("qkv", "o", "gate_up", "down")) for i in range(len(self.layers))]
+            self._packed = [tuple(self.mm[c].weights[i].packed for c in ("qkv", "o", "gate_up",
+                                                                         "down")) for i in range(len(self.layers))]
         for i, L in enumerate(self.layers):
-            ops.decoder_layer(x, ln1=L["ln1"], ln2=L["ln2"], bias=L["bqkv"], threads=threads, step=step, keys=keys[i], values=values[i],
+            ops.decoder_layer(x, ln1=L["ln1"], ln2=L["ln2"], bias=L["bqkv"], threads=threads, step=step, keys=keys[i],
+                              values=values[i],
                               weights=self._packed[i])
             if i in self.feature_layers:
                 feats[i] = x.clone()  # the output of layer i
@@ -529,7 +533,8 @@ class HFTreeLM(TreeLM):
 
     def _bias(self, mask: torch.Tensor) -> torch.Tensor:
         """Boolean mask [m, end] -> the additive float mask [1, 1, m, end] transformers takes."""
-        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+        return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask,
+                                                                                          torch.finfo(self.dtype).min)[None, None]
 
     @torch.inference_mode()
     def forward(self, tokens, positions, attend, *, logits_rows=None) -> ForwardOut:

@@ -46,7 +46,8 @@ class CycleRandom:
 
 def cycle_seed(request_seed: int, cycle: int) -> int:
     """Seed of cycle `cycle` of a request: a fixed, collision-resistant mix of the two."""
-    return int(np.random.SeedSequence([int(request_seed) & (2**32 - 1), int(cycle)]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
+    return int(np.random.SeedSequence([int(request_seed) & (2**32 - 1),
+                                       int(cycle)]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
 
 
 @dataclass
@@ -103,7 +104,8 @@ def verify_stochastic(
     path = [0]
     cur = 0
     while True:
-        p = target_probs(logits[cur : cur + 1].cpu(), temperature=temperature, top_p=top_p)[0]  # [V] on the CPU: one copy, then scalar reads
+        # [V] on the CPU: one copy, then scalar reads
+        p = target_probs(logits[cur : cur + 1].cpu(), temperature=temperature, top_p=top_p)[0]
         depth = int(tree.depths[cur])
         accepted = -1
         for child in kids[cur]:

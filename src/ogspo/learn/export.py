@@ -101,7 +101,8 @@ def write_policy_folder(*, head, structure: Structure, lam: float | None, out_di
         stale.unlink()
     write_structure(structure, out_dir / STRUCTURE_FILE)
     report = {
-        **info, "autoregressive": len(structure) == 0, "static": bool(info.get("static")), "structure": structure.to_list(), "lambda": lam,
+        **info, "autoregressive": len(structure) == 0, "static": bool(info.get("static")), "structure": structure.to_list(),
+        "lambda": lam,
         "features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
         "onnx_bytes": exp.bytes if exp else 0, "export_seconds": exp.seconds if exp else 0.0,
     }

@@ -272,10 +272,12 @@ class PolicyEvaluation:
             "| | tokens/s | vs best fixed |", "|---|---|---|",
             f"| OGSPO policy | {self.throughput:.3f} | {self.throughput / self.best_fixed_throughput:.3f}x |",
             f"| best fixed depth ({self.best_fixed_depth}) | {self.best_fixed_throughput:.3f} | 1.000x |",
-            f"| posterior bound (same S) | {self.posterior_bound:.3f} | {self.posterior_bound / self.best_fixed_throughput:.3f}x |",
+            f"| posterior bound (same S) | {self.posterior_bound:.3f} | {self.posterior_bound / self.best_fixed_throughput:.3f}x "
+            f"|",
         ]
         if self.oracle_throughput is not None:
-            lines.append(f"| oracle (solve.py) | {self.oracle_throughput:.3f} | {self.oracle_throughput / self.best_fixed_throughput:.3f}x |")
+            lines.append(f"| oracle (solve.py) | {self.oracle_throughput:.3f} | "
+                         f"{self.oracle_throughput / self.best_fixed_throughput:.3f}x |")
         lines += ["", f"Policy: mean accepted {self.mean_accepted:.3f}, mean depth {self.mean_depth:.2f}, "
                   f"stops by depth {self.stop_histogram}. Fixed depths: {fx}."]
         return "\n".join(lines) + "\n"

@@ -1,9 +1,9 @@
-"""Alternating OGSPO rounds with same-trace correction (docs/DESIGN.md §5; stage: `stages.rounds`).
+"""Alternating OGSPO rounds with same-trace correction (docs/DESIGN.md §5; stage: `stages.ogspo_rounds`).
 
 Start from the oracle's structure S_0 (`solve/oracle_T{t}.json`). Round r:
 
 1. **Policy update** (S_r fixed): fit the policy head on the records' states and net gains, exactly as
-   `ogspo.policy.train_policy` does; its *surrogate* J(S_r, pi_r) = sum A / sum t over every record
+   `ogspo.learn.policy.train_policy` does; its *surrogate* J(S_r, pi_r) = sum A / sum t over every record
    cycle (replay + latency model), next to the posterior bound for S_r and the oracle bound.
 2. **Same-trace check.** The candidate (exported to ONNX, run with onnxruntime as the engine's stop
    hook) is executed for real on a sample of record cycles: the first `rounds.prompts_per_workload`
@@ -34,7 +34,7 @@ Start from the oracle's structure S_0 (`solve/oracle_T{t}.json`). Round r:
 
 Outputs (`write_rounds`): `rounds.parquet` (one row per round), `same_trace.parquet` (one row per
 executed cycle, its decisions as list columns), `rounds.png`, `rounds.json`, and the incumbent's
-`policy.pt` (`ogspo.policy.save_head`) + `structure.json`. An empty oracle structure (autoregressive
+`policy.pt` (`ogspo.learn.policy.save_head`) + `structure.json`. An empty oracle structure (autoregressive
 decoding is best) writes zero rounds, that fact, an empty structure and no head (`export_policy` then
 writes an autoregressive policy folder).
 

@@ -117,7 +117,8 @@ def combine_routing(parts: list[RoutingData]) -> RoutingData:
     if not parts:
         raise ValueError("no records given")
     cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
-    data = RoutingData(parts[0].templates, cat("accepted"), cat("seconds"), cat("context_lengths"), cat("requests"), cat("cycles"))
+    data = RoutingData(parts[0].templates, cat("accepted"), cat("seconds"), cat("context_lengths"), cat("requests"),
+                       cat("cycles"))
     order = np.lexsort((data.cycles, data.requests))
     return data.subset(order)
 

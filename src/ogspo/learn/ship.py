@@ -4,7 +4,8 @@ After the rounds, two stop policies over the structure S are compared with every
 records offer: the threshold policy (`learn.threshold`: one threshold per level on the frontier's
 confidence, a class that holds every S_{<=d}) on K-fold predictions, so every record request is held
 out once, and the rounds' MLP pi on the record requests its head was *not* trained on (the incumbent
-round's held-out split), kept only where it also beats the threshold policy there. The static trees: S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
+round's held-out split), kept only where it also beats the threshold policy there. The static trees:
+S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
 Sequoia's tree (`baselines.sequoia`). All are replayed on the same held-out cycles with the same
 latency model, J = sum A / sum t. The comparison is paired by request: a bootstrap resamples the
 held-out requests, and in every resample the best static tree is picked again (the largest of

@@ -207,5 +207,6 @@ def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list |
     if structure is not None:
         given = load_structure(structure)
         if given.paths != S.paths:
-            raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for ({len(S)} nodes)")
+            raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for "
+                             f"({len(S)} nodes)")
     return OgspoTree(S, hook, name=name, size_rule=size)

@@ -114,7 +114,8 @@ def level_profile(masks: np.ndarray, T: Structure) -> tuple[np.ndarray, np.ndarr
     return widths, np.cumsum(sizes, axis=1)
 
 
-def cycle_times(masks: np.ndarray, T: Structure, depths: np.ndarray, context_lengths: np.ndarray, model: LatencyModel) -> np.ndarray:
+def cycle_times(masks: np.ndarray, T: Structure, depths: np.ndarray, context_lengths: np.ndarray,
+                model: LatencyModel) -> np.ndarray:
     """t_c(S, d) from the latency model. masks [K, N], depths [K] or [K, C], context_lengths [C] -> [K, C]."""
     widths, cum = level_profile(masks, T)  # [K, D]
     K, D = widths.shape

@@ -1,4 +1,4 @@
-"""Sequoia-style static tree baseline (docs/DESIGN.md §7) from posterior verification records (stage: `stages.sequoia`).
+"""Sequoia-style static tree baseline (docs/DESIGN.md §7) from posterior verification records (stage: `stages.build_sequoia`).
 
 **Positional acceptance.** Sequoia assumes that the probability that the accepted child of an accepted
 node is its r-th ranked child depends only on r (optionally on the depth too). From records:
@@ -161,7 +161,8 @@ def expected_accepted(S: Structure, probs: np.ndarray) -> float:
     total = 1.0
     for p in S.paths:
         if len(p) > probs.shape[0] or max(p) >= probs.shape[1]:
-            raise ValueError(f"node {list(p)} lies outside the acceptance table ({probs.shape[0]} depths x {probs.shape[1]} ranks)")
+            raise ValueError(f"node {list(p)} lies outside the acceptance table ({probs.shape[0]} depths x {probs.shape[1]} "
+                             f"ranks)")
         total += float(np.prod([probs[l, r] for l, r in enumerate(p)]))
     return total
 
@@ -187,7 +188,8 @@ def sequoia_settings(config: dict | None) -> dict:
     if not isinstance(cfg["max_nodes"], int) or cfg["max_nodes"] < 0:
         raise ValueError(f"baselines.sequoia.max_nodes must be an integer >= 0, got {cfg['max_nodes']!r}")
     if cfg["max_depth"] is not None and (not isinstance(cfg["max_depth"], int) or cfg["max_depth"] < 1):
-        raise ValueError(f"baselines.sequoia.max_depth must be an integer >= 1 or null (template depth), got {cfg['max_depth']!r}")
+        raise ValueError("baselines.sequoia.max_depth must be an integer >= 1 or null (template depth), "
+                         f"got {cfg['max_depth']!r}")
     return cfg
 
 

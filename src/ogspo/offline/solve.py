@@ -319,7 +319,8 @@ def _depths_of(enc: _Encoding, vals: np.ndarray) -> np.ndarray:
     return np.array([max(y, key=lambda d: vals[y[d]]) for y in enc.y], dtype=np.int64)
 
 
-def _start_values(enc: _Encoding, info: TemplateInfo, S: Structure, depths: np.ndarray | None, groups: CycleGroups | None) -> np.ndarray:
+def _start_values(enc: _Encoding, info: TemplateInfo, S: Structure, depths: np.ndarray | None,
+                  groups: CycleGroups | None) -> np.ndarray:
     """A feasible point of the encoding (tight continuous values) for structure S and group depths."""
     m = enc.milp
     vals = np.zeros(len(m.names))
@@ -376,7 +377,8 @@ def replay_expected_totals(
         dd = np.full((1, len(cycles.context_lengths)), d)
         acc = accepted_lengths(mask, cycles.paths, dd)[0]
         A += float(P[:, d] @ acc)
-        T += float(P[:, d] @ (cycle_times(mask, cycles.template, dd, cycles.context_lengths, latency)[0] + latency.t_catchup(acc)))
+        T += float(P[:,
+                     d] @ (cycle_times(mask, cycles.template, dd, cycles.context_lengths, latency)[0] + latency.t_catchup(acc)))
     return A, T
 
 
@@ -456,7 +458,8 @@ def _dinkelbach_with(cfg: dict, enc, start, evaluate):
 def _checked_template_info(cycles: ReplayCycles, template: Structure | None):
     """The records' template info, after checking it is the template the caller expects."""
     if template is not None and template.paths != cycles.template.paths:
-        raise ValueError(f"records template ({len(cycles.template)} nodes) differs from the given template ({len(template)} nodes)")
+        raise ValueError(f"records template ({len(cycles.template)} nodes) differs from the given template ({len(template)} "
+                         f"nodes)")
     return template_info(cycles.template)
 
 

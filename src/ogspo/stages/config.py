@@ -18,7 +18,7 @@ import jsonschema
 import yaml
 
 from ogspo.artifacts.prompts import find_package_dir
-from ogspo.methods.registry import EVAL_METHODS
+from ogspo.methods.registry import REFERENCE, evaluate_kinds
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")  # package data (workflow/schemas/ links to it)
 
@@ -38,12 +38,15 @@ def load_schema(path: Path | None = None) -> dict:
     evaluate = schema["properties"]["evaluate"]
     if "$ref" in evaluate:  # "#/$defs/<name>"
         evaluate = schema["$defs"][evaluate["$ref"].rsplit("/", 1)[-1]]
+    kinds = evaluate_kinds()
     methods = evaluate["properties"]["methods"]
-    methods["items"] = {"enum": list(EVAL_METHODS)}
-    methods["x-error"] = "must be a list of distinct methods that includes ar (the reference); allowed: " + ", ".join(EVAL_METHODS)
+    methods["items"] = {"enum": list(kinds)}
+    methods["x-error"] = (f"must be a list of distinct methods that includes {REFERENCE} (the reference); allowed: "
+                          + ", ".join(kinds))
+    others = [m for m in kinds if m != REFERENCE]
     light = evaluate["properties"]["light_methods"]
-    light["items"] = {"enum": [m for m in EVAL_METHODS if m != "ar"]}
-    light["x-error"] = "must be a list of distinct method kinds other than ar; allowed: " + ", ".join(m for m in EVAL_METHODS if m != "ar")
+    light["items"] = {"enum": others}
+    light["x-error"] = f"must be a list of distinct method kinds other than {REFERENCE}; allowed: " + ", ".join(others)
     return schema
 
 
@@ -131,7 +134,8 @@ def _check_consistency(cfg: Mapping) -> None:
     if isinstance(ev, Mapping):
         light = [m for m in ev["light_methods"] if m not in ev["methods"]]
         if light:
-            raise ConfigError(f"config error at 'evaluate.light_methods': '{light[0]}' is not in evaluate.methods {ev['methods']}")
+            raise ConfigError(f"config error at 'evaluate.light_methods': '{light[0]}' is not in evaluate.methods "
+                              f"{ev['methods']}")
 
 
 def check_temperature(temperature: float, cfg: Mapping) -> None:

@@ -12,16 +12,14 @@ raises `LosslessError` naming method, workload and prompt; a float near-tie (`co
 reported, not failed.
 
 The `eagle-tuned` method and the best baseline of each cell come from stage `tune_eagle`
-(`stages.tune`), on calib prompts.
+(`stages.tune_eagle`), on calib prompts.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,87 +27,24 @@ import numpy as np
 import polars as pl
 import torch
 
+from ogspo.analysis.summary import summarize_requests
 from ogspo.artifacts.io import atomic_write, write_json
 from ogspo.artifacts.oracle import read_oracle
-from ogspo.artifacts.records import request_seed
-from ogspo.artifacts.structure import load_structure
-from ogspo.engine.decode import CycleTrace, GenerationResult, SpeculativeEngine
+from ogspo.artifacts.records import temperature_tag
+from ogspo.engine.decode import GenerationResult
 from ogspo.engine.kernels import cpu_model
 from ogspo.engine.lossless import compare_greedy
-from ogspo.engine.policies import Autoregressive, CycleContext, DynamicTree, StaticTree, StopHook, TreePolicy, chain
-from ogspo.engine.tree import DraftTree
+from ogspo.engine.policies import DynamicTree
+from ogspo.methods.harness import MethodEngine, SpeedProbe, make_method_engine, pair_seed, run_request, slot_order, slot_seed
 from ogspo.methods.ogspo import OgspoTree
-from ogspo.methods.registry import AA_CHECK, EVAL_METHODS, REFERENCE, TUNED, make_policy
-from ogspo.stages.calibrate import probe_seconds
-from ogspo.stages.summary import summarize_requests, temperature_tag
+from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec, build_policy
 
 
 class LosslessError(ValueError):
     """A method's T=0 output differs from autoregressive decoding (not a float near-tie)."""
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str  # the method's label in every output row
-    kind: str  # one of EVAL_METHODS
-    k: int = 0  # chain length (kind chain)
-    tree: tuple[int, int, int] = (0, 0, 0)  # total_tokens, depth, top_k (kind eagle-default)
-
-
-def method_specs(*, methods: list[str], chains: list[int], eagle_default: list[int]) -> list[MethodSpec]:
-    """The evaluated methods in config order; the autoregressive target is required (reference)."""
-    unknown = [m for m in methods if m not in EVAL_METHODS]
-    if unknown:
-        raise ValueError(f"evaluate.methods: unknown method '{unknown[0]}'; allowed: {', '.join(EVAL_METHODS)}")
-    if len(set(methods)) != len(methods):
-        raise ValueError(f"evaluate.methods lists a method twice: {methods}")
-    if REFERENCE not in methods:
-        raise ValueError("evaluate.methods must include 'ar' (the reference of speedups and of the lossless check)")
-    if "chain" in methods and not chains:
-        raise ValueError("evaluate.methods has 'chain' but evaluate.chains is empty; give chain lengths, e.g. [4]")
-    specs = []
-    for m in methods:
-        if m == "chain":
-            specs += [MethodSpec(name=f"chain{k}", kind="chain", k=int(k)) for k in chains]
-        elif m == "eagle-default":
-            specs.append(MethodSpec(name=m, kind=m, tree=tuple(int(x) for x in eagle_default)))
-        else:
-            specs.append(MethodSpec(name=m, kind=m))
-    return specs
-
-
-def slot_order(n: int, seed: int, index: int) -> list[int]:
-    """Method order of the index-th request slot of a cell: slots come in mirrored pairs. Slot 2k runs
-    a seeded random permutation (`seed` = the pair's seed), slot 2k+1 the same permutation reversed.
-    So over a pair every method's mean position is exactly (n-1)/2 and every method runs before every
-    other exactly once: a position effect linear in the position (drift, a warm-up the first method
-    pays) cancels in every paired ratio, and no two methods are neighbours in every slot."""
-    order = np.random.default_rng(seed).permutation(n).tolist()
-    return order[::-1] if index % 2 else order
-
-
-def pair_seed(seed: int, temperature: float, workload: str, index: int, repeat: int) -> int:
-    """The seed of the order of slot pair index // 2 of a cell (per temperature, workload and repeat)."""
-    return request_seed(seed, f"order/{temperature_tag(temperature)}/{workload}/{index // 2}/{repeat}")
-
-
-def slot_seed(seed: int, workload: str, prompt_id: str, repeat: int) -> int:
-    """One seed per request slot (workload, prompt, repeat), shared by all methods (common random
-    numbers): the records' `request_seed` of the slot's id."""
-    return request_seed(seed, f"{workload}/{prompt_id}/{repeat}")
-
-
 # ---------------------------------------------------------------- method artifacts
-
-
-def structure_policy(path: Path, name: str) -> TreePolicy:
-    """A static tree from a structure.json (autoregressive decoding for an empty one)."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"method '{name}': structure file {path} does not exist")
-    structure = load_structure(path)
-    if len(structure) == 0:  # the solver found drafting not worth it: decode autoregressively
-        return Autoregressive(name=name)
-    return StaticTree(structure, name=name)
 
 
 def read_calib_best(path: Path) -> tuple[dict[str, str], dict[str, float]]:
@@ -122,109 +57,7 @@ def read_calib_best(path: Path) -> tuple[dict[str, str], dict[str, float]]:
     return {str(w): str(b) for w, b in best.items()}, dict(data.get("winner_stability") or {})
 
 
-def read_tuned(path: Path) -> dict[str, tuple[int, int, int]]:
-    """Winners of a tune_eagle JSON: workload -> (total_tokens, depth, top_k)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"method 'eagle-tuned': tuning file {path} does not exist (rule tune_eagle)")
-    data = json.loads(path.read_text())
-    winners = data.get("winners") if isinstance(data, dict) else None
-    if not isinstance(winners, dict):
-        raise ValueError(f"{path}: not a tune_eagle output (no 'winners' object)")
-    return {w: tuple(int(x) for x in v) for w, v in winners.items()}
-
-
-def build_policy(
-    spec: MethodSpec, *, temperature: float, workload: str, artifacts: Mapping[str, str], policy_device: str = "cpu"
-) -> TreePolicy:
-    """The tree policy of one method at one temperature and workload; artifact paths are templates
-    with `{T}` (temperature tag)."""
-
-    if spec.kind in (REFERENCE, AA_CHECK):
-        return Autoregressive(name=spec.name)
-    if spec.kind == "chain":
-        return chain(spec.k)
-    if spec.kind == "eagle-default":
-        total, depth, top_k = spec.tree
-        return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
-    if spec.kind not in artifacts:
-        raise ValueError(f"method '{spec.name}' needs its artifact path (--artifact {spec.kind}=PATH with {{T}})")
-    path = Path(artifacts[spec.kind].format(T=temperature_tag(temperature)))
-    if spec.kind == "eagle-tuned":
-        winners = read_tuned(path)
-        if workload not in winners:
-            raise ValueError(f"{path} has no tuned EAGLE-3 tree for workload '{workload}' (has {', '.join(sorted(winners))})")
-        total, depth, top_k = winners[workload]
-        if total == 0:  # "do not speculate" won the tuning
-            return Autoregressive(name=spec.name)
-        return DynamicTree(total_tokens=total, depth=depth, top_k=top_k, name=spec.name)
-    if spec.kind in ("sequoia", "ogspo-structure"):
-        return structure_policy(path, spec.name)
-    if spec.kind in ("ogspo", "ogspo-policy"):
-        return make_policy("ogspo", policy_path=path, policy_device=policy_device, name=spec.name,
-                           workload=workload if spec.kind == "ogspo" else None)
-    if spec.kind == "routing":
-        return make_policy("routing", router_path=path, name=spec.name)
-    raise ValueError(f"unknown method kind '{spec.kind}'")  # pragma: no cover - method_specs validates kinds
-
-
 # ---------------------------------------------------------------- one request
-
-
-class TimedHook:
-    """A stop hook wrapper that adds up the seconds spent deciding."""
-
-    def __init__(self, hook: StopHook):
-        self.hook = hook
-        self.seconds = 0.0
-
-    def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
-        t0 = time.perf_counter()
-        try:
-            return self.hook(tree, level, ctx)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-
-class CycleLog:
-    """Engine `cycle_observer`: per cycle (frontier widths per drafted level, verified nodes with the
-    root, committed context length, committed tokens) — what the latency model needs to predict the
-    cycle's time."""
-
-    def __init__(self):
-        self.cycles: list[tuple[list[int], int, int, int]] = []
-
-    def __call__(self, trace: CycleTrace) -> None:
-        d = trace.drafted
-        widths = [int(np.unique(d.parents[d.depths == lvl]).size) for lvl in range(1, int(d.depths.max()) + 1)]
-        self.cycles.append((widths, int(len(trace.verified)), int(trace.context_length), len(trace.committed)))
-
-
-def predicted_seconds(cycles: list[tuple[list[int], int, int, int]], latency, speed: float = 1.0) -> float:
-    """Sum over cycles of t_draft per level + t_verify(n, L) + t_fixed(n) + t_catchup(A) (docs/DESIGN.md §4),
-    in the machine state `speed` (`LatencyModel.t_cycle`)."""
-    return float(sum(float(latency.t_cycle(w, n, L, accepted=a, speed=speed)) for w, n, L, a in cycles))
-
-
-@dataclass
-class MethodEngine:
-    spec: MethodSpec
-    engine: SpeculativeEngine
-    log: CycleLog
-    hook: TimedHook | None
-
-
-def make_method_engine(spec: MethodSpec, policy: TreePolicy, *, target, drafter, temperature: float) -> MethodEngine:
-    """One method's engine. It has no EOS token: every method of a slot generates the request's full
-    `max_new_tokens`, so paired ratios compare the same work (at T > 0 methods sample different texts,
-    and one stopping at an early EOS would be timed mostly on its prefill)."""
-    hook = TimedHook(policy.hook) if policy.hook is not None else None
-    log = CycleLog()
-    engine = SpeculativeEngine(
-        target=target, policy=policy, drafter=None if policy.max_nodes == 1 else drafter, temperature=temperature,
-        eos_token_id=None, stop_hook=hook, cycle_observer=log,
-    )
-    return MethodEngine(spec=spec, engine=engine, log=log, hook=hook)
 
 
 @dataclass
@@ -255,68 +88,6 @@ class RequestRow:
     first_mismatch: int  # -1 when identical / n/a
     tie_margin: float  # reference top-2 logit margin at a near-tie (nan otherwise)
     tokens: list[int] = field(default_factory=list)
-
-
-@contextmanager
-def quiet_gc():
-    """Collect garbage before a timed request and keep the cyclic collector off during it (as `timeit`
-    does), so a collection the previous method's garbage triggers is not timed in the next method."""
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def probe_speed(target, latency, *, reps: int = 3) -> float:
-    """The machine's state now against the latency model's mean state (`LatencyModel.speed_ratio` of
-    `calibrate.probe_seconds`: `reps` one-token forwards after the committed rows, untimed for the request)."""
-    return latency.speed_ratio(probe_seconds(target, reps), target.cache.length)
-
-
-class SpeedProbe:
-    """The machine's state during a request, for the latency model's predictions: after every request,
-    `probe_speed`; a request's state is the mean of the probe before it (the previous request's) and the
-    one after it. A shared CPU flips between states for tens of seconds (on the 2-core AMD EPYC a one-row
-    forward between ~7.5 and ~11 ms), longer than a request, so the probes next to it tell its state; how
-    each shape follows the state is the model's `drift_elasticity`. Measured on a probe, never on the
-    requests' own times."""
-
-    def __init__(self, window: int = 2):
-        self.window = window
-        self.samples: list[float] = []
-
-    def __call__(self, target, latency) -> float:
-        self.samples.append(probe_speed(target, latency))
-        return float(np.mean(self.samples[-self.window:]))
-
-
-def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency,
-                speed: SpeedProbe | None = None) -> tuple[GenerationResult, dict]:
-    """Decode one request with one method; returns the result and its timing/prediction figures (the
-    prediction is the measured prefill plus the latency model's cycles in the machine state `speed`
-    reads around the request, when given)."""
-    me.log.cycles.clear()
-    if me.hook is not None:
-        me.hook.seconds = 0.0
-    with quiet_gc():
-        res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
-    split = res.time_split()
-    policy_s = me.hook.seconds if me.hook is not None else 0.0
-    pred = factor = float("nan")
-    if latency is not None:
-        factor = speed(me.engine.target, latency) if speed is not None else 1.0
-        pred = split["prefill"] + predicted_seconds(me.log.cycles, latency, factor)
-    figures = {
-        "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
-        "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
-        "predicted_seconds": pred, "speed_factor": factor,
-        "predicted_throughput": len(res.tokens) / pred if pred > 0 else float("nan"),
-    }
-    return res, figures
 
 
 # ---------------------------------------------------------------- evaluate
@@ -449,7 +220,8 @@ def evaluate_methods(
                         res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency,
                                                speed=speed)
                         if len(res.tokens) != max_new_tokens:  # pragma: no cover - the engine stops at max_new_tokens
-                            raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, not {max_new_tokens}")
+                            raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, "
+                                               f"not {max_new_tokens}")
                         out[me.spec.name] = RequestRow(
                             workload=workload, temperature=float(temp), method=me.spec.name, prompt_id=str(prompt_id),
                             repeat=repeat, order=pos, seed=rseed, prompt_tokens=len(prompt), **request_figures(res), **fig)
@@ -464,7 +236,8 @@ def evaluate_methods(
     oracle = {k: float(v) for k, v in (oracle or {}).items()}
     return EvaluateResult(
         rows=rows, summary=summarize_requests(frame, oracle=oracle, calib_best=calib_best), checked=checked,
-        near_ties=near, oracle=oracle, tuned={k: v for k, v in tuned.items() if v}, calib_best=calib_best, seconds=time.perf_counter() - t_start,
+        near_ties=near, oracle=oracle, tuned={k: v for k, v in tuned.items() if v}, calib_best=calib_best,
+        seconds=time.perf_counter() - t_start,
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,

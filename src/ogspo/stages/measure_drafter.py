@@ -24,12 +24,12 @@ from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import write_text
 from ogspo.engine.decode import CycleTrace, SpeculativeEngine
+from ogspo.engine.model import load_target, model_checksum
 from ogspo.engine.policies import Autoregressive, DynamicTree, chain
 from ogspo.engine.target import synchronize
 from ogspo.engine.tree import DraftTree
 from ogspo.engine.verify import target_probs
 from ogspo.methods.registry import make_drafter, make_target
-from ogspo.stages.model import load_target, model_checksum
 
 
 @dataclass
@@ -102,7 +102,8 @@ def time_expand(drafter, prompt: list[int], target, widths=(1, 2, 4, 8), reps: i
         drafter.begin(prompt, pre)
         tree = DraftTree.from_root(int(pre.logits[-1].argmax()))
         exp = drafter.expand(tree, np.array([0]), max(widths))
-        kids = tree.add_children(parents=np.zeros(max(widths), dtype=np.int64), tokens=exp.tokens[0], ranks=np.arange(max(widths)),
+        kids = tree.add_children(parents=np.zeros(max(widths), dtype=np.int64), tokens=exp.tokens[0],
+                                 ranks=np.arange(max(widths)),
                                  logq=exp.logq[0], entropy=np.repeat(exp.entropy, max(widths)))
         for w in widths:  # each width expands a fresh set of depth-1 nodes: discard pending rows between
             drafter.begin(prompt, pre)
@@ -138,17 +139,20 @@ def measure_drafter(
     t_start = time.perf_counter()
     model, tok = load_target(model_dir, device=device)
     checksum = model_checksum(model_dir)
-    drafters = {label: make_drafter("eagle", target_model=model, max_len=2048, path=path, target_checksum=checksum, kernels=kernels)
+    drafters = {label: make_drafter("eagle", target_model=model, max_len=2048, path=path, target_checksum=checksum,
+                                    kernels=kernels)
                 for label, path in drafter_dirs.items()}
     first_drafter = next(iter(drafters.values()))
     target = make_target(model, max_len=2048, drafter=first_drafter, kernels=kernels)
     prompts = eval_prompts(workloads_dir, tok, prompts_per_workload)
-    n_speed = prompts_per_workload if speed_prompts_per_workload is None else min(speed_prompts_per_workload, prompts_per_workload)
+    n_speed = prompts_per_workload if speed_prompts_per_workload is None else min(speed_prompts_per_workload,
+                                                                                  prompts_per_workload)
     tree_policies = [DynamicTree(total_tokens=a, depth=b, top_k=c) for a, b, c in trees]
     # (head, policy, drafter, runs on every prompt): chains first, then the timed-only methods
     runs = [(label, chain(chain_depth), d, True) for label, d in drafters.items()]
     if n_speed:  # (0: acceptance only)
-        runs += [("", Autoregressive(), None, False)] + [(label, p, d, False) for label, d in drafters.items() for p in tree_policies]
+        runs += [("", Autoregressive(), None, False)] + [(label, p, d, False) for label,
+                                                         d in drafters.items() for p in tree_policies]
     figures = []
     greedy: dict[str, list[tuple[list[int], list[int]]]] = {w: [] for w in prompts}  # T=0 continuations of the first chain
     total = len(temperatures) * sum(len(v) for v in prompts.values())
@@ -230,12 +234,14 @@ def render_markdown(result: MeasureResult) -> str:
     for f in result.figures:
         depth = ", ".join(f"{a:.2f} [{n}]" for a, n in zip(f.accept_by_depth, f.depth_trials))
         ceiling = "-" if np.isnan(f.first_token_ceiling) else f"{f.first_token_ceiling:.3f}"
-        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.head or '-'} | {f.prompts} | {f.tokens} | {f.tau:.2f} "
+        lines.append(f"| {f.workload} | {f.temperature:g} | {f.method} | {f.head or '-'} | {f.prompts} | {f.tokens} | "
+                     f"{f.tau:.2f} "
                      f"| {f.throughput:.1f} | {f.speedup:.2f}x | {depth} | {ceiling} |")
     lines += ["", "One head level over w frontier nodes (median ms): "
               + ", ".join(f"w={w}: {ms:.1f}" for w, ms in result.expand_ms.items()), ""]
     for head, by_w in result.vocab_coverage.items():
         lines.append(f"Draft vocabulary of head {head} on the T=0 continuations: " + "; ".join(
-            f"{w} {c['mass']:.3f} of the target's next-token mass, {c['top1']:.3f} of its greedy tokens ({c['positions']} positions)"
+            f"{w} {c['mass']:.3f} of the target's next-token mass, {c['top1']:.3f} of its greedy tokens ({c['positions']} "
+            f"positions)"
             for w, c in by_w.items()))
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ogspo.drafter.train import TrainResult, train_drafter
 from ogspo.engine.kernels import read_kernel_table
-from ogspo.stages.model import load_target, model_checksum
+from ogspo.engine.model import load_target, model_checksum
 
 
 def run_train_drafter(*, model_dir: Path, workloads_dir: Path, out_dir: Path, work_dir: Path, fortunes_dir: Path | None,

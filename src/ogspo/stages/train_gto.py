@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ogspo.drafter.train_gto import GTOResult, train_gto
-from ogspo.stages.model import load_target, model_checksum
+from ogspo.engine.model import load_target, model_checksum
 
 
 def run_train_gto(*, model_dir: Path, drafter_dir: Path, workloads_dir: Path, out_dir: Path,

@@ -31,7 +31,8 @@ _state: dict = {}
 
 def cache_root() -> Path:
     """ogspo's per-user cache folder: $OGSPO_CACHE, else $XDG_CACHE_HOME/ogspo or ~/.cache/ogspo."""
-    return Path(os.environ.get("OGSPO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "ogspo"))
+    return Path(os.environ.get("OGSPO_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                              "ogspo"))
 
 
 def cache_dir() -> Path:
@@ -66,7 +67,8 @@ def _build(cc: str) -> Path:
     try:
         proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
-            errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines() or [str(proc.returncode)]
+            errors = ([ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines()
+                      or [str(proc.returncode)])
             raise RuntimeError(f"{cc} failed: {errors[0].strip()}")
         os.replace(tmp, lib)  # concurrent builders write the same bytes; the last rename wins
     finally:
@@ -102,7 +104,8 @@ def load():
         lib.ogspo_rope_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
                                              ctypes.c_int]
         lib.ogspo_rope_attention.restype = ctypes.c_int  # a status code (ROPE_ATTENTION_ERRORS)
-        lib.ogspo_decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr,
+        lib.ogspo_decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr,
+                                            ptr,
                                             ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr]
         lib.ogspo_decoder_layer.restype = ctypes.c_int  # 0 or a ROPE_ATTENTION_ERRORS code
         _state["reason"] = None
@@ -174,12 +177,14 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         """x [..., in] fp32 -> [..., out] fp32."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise ValueError(f"native matmul takes fp32 CPU rows of {self.in_features}, got {tuple(x.shape)} {x.dtype} on {x.device}")
+            raise ValueError(f"native matmul takes fp32 CPU rows of {self.in_features}, got {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}")
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device="cpu")  # [rows, out]
-        if self._gemm(x2.data_ptr(), x2.shape[0], self.in_features, self.data.data_ptr(), self.out_features, y.data_ptr(), threads):
+        if self._gemm(x2.data_ptr(), x2.shape[0], self.in_features, self.data.data_ptr(), self.out_features, y.data_ptr(),
+                      threads):
             raise MemoryError("native bf16 matmul: out of memory for the rows' bf16 copy")
         return y.view(*shape[:-1], self.out_features)

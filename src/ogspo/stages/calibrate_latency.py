@@ -1,9 +1,6 @@
-"""Stages `calibrate_kernels` and `calibrate_latency`: what this device is fast at, measured.
+"""Stage `calibrate_latency`: the per-device latency model of docs/DESIGN.md §4, measured on real shapes.
 
-`calibrate_device_kernels`: the kernel table of `engine.kernels` for the target's weight shapes
-(cached per machine, so a rerun of the workflow does not time it again).
-
-`calibrate_latency`: the per-device latency model of docs/DESIGN.md §4, measured on real shapes.
+The fits from the timings are `ogspo.offline.latency_fit`'s.
 
 - t_verify(n, L): one target tree forward of n tree tokens (root included, ancestor mask of a bushy
   tree) over a KV cache holding L committed tokens, through the engine's own code path
@@ -45,9 +42,6 @@ Held-out shapes (n and L outside the table) give the validation error (MdAPE).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,13 +49,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ogspo.analysis.plots import plot_calibration
 from ogspo.artifacts.latency import LatencyCalibration, LatencyModel, fit_verify, write_latency
-from ogspo.engine import kernels as K
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.policies import Autoregressive, StaticTree
-from ogspo.engine.target import LlamaTreeLM, TreeLM, fast_path_refusal, synchronize
+from ogspo.engine.target import TreeLM, synchronize
 from ogspo.engine.tree import DraftTree, Structure, ancestor_matrix
+from ogspo.methods.harness import probe_seconds
+from ogspo.offline.latency_fit import (
+    decode_loop_draft_scale,
+    decode_loop_level,
+    fit_catchup,
+    fit_elasticity,
+    fit_fixed,
+    state_fit,
+)
 
 # Rank-path order of the bushy trees timed for t_verify: the first n-1 nodes of this template in
 # (depth, rank path) order are ancestor-closed, so any n up to its size is a realistic tree.
@@ -145,65 +148,6 @@ def _measure_grid(fn, shapes: list[tuple], *, reps: int, warmup: int, rng: np.ra
     return samples, probes
 
 
-def state_fit(times, state, mean_state: float) -> tuple[float, float]:
-    """(time at `mean_state`, d time / d state) of one shape's timings against the machine state of each
-    (its probe over the probes' median): the slope is the median of pairwise slopes (Theil-Sen, robust to
-    a preempted timing), 0 when its timings saw one state (spread under 3%); the level is the mean of the
-    timings moved to the mean state, the highest and lowest tenth left out (a preempted timing). A mean,
-    not a median: the machine's states are two modes, and a median picks one."""
-    t = np.asarray(times, dtype=np.float64)
-    x = np.asarray(state, dtype=np.float64)
-    slope = 0.0
-    if np.ptp(x) > 0.03:
-        i, j = np.triu_indices(len(x), 1)
-        keep = np.abs(x[j] - x[i]) > 0.01
-        if keep.any():
-            slope = float(np.median((t[j] - t[i])[keep] / (x[j] - x[i])[keep]))
-    moved = np.sort(t - slope * (x - mean_state))
-    cut = len(moved) // 10
-    return float(moved[cut: len(moved) - cut].mean()), slope
-
-
-def _non_increasing(y: list[float]) -> list[float]:
-    """The least-squares non-increasing fit of y (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in y:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
-            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    return [m for m, c in blocks for _ in range(int(c))]
-
-
-def fit_elasticity(levels: dict[tuple, float], slopes: dict[tuple, float], sizes: list[int], contexts: list[int]) -> list[float]:
-    """Per table size, the relative change of t_verify(n, L) per relative change of t_verify(1, L), median
-    over L; then non-increasing in n within [0, 1] (a forward over more rows is less bound by the memory
-    bandwidth a neighbour takes), 1 at n = 1; all 1 when the one-row forwards did not move."""
-    raw = []
-    for n in sizes:
-        e = [(slopes[(n, L)] / levels[(n, L)]) / (slopes[(1, L)] / levels[(1, L)]) for L in contexts if slopes[(1, L)] > 0]
-        raw.append(float(np.median(e)) if e else 1.0)
-    if sizes[0] != 1 or not any(slopes[(1, L)] > 0 for L in contexts):
-        return [1.0] * len(sizes)
-    return [1.0] + [float(np.clip(v, 0.0, 1.0)) for v in _non_increasing([min(v, 1.0) for v in raw[1:]])]
-
-
-def probe_seconds(target: TreeLM, reps: int = 3) -> float:
-    """The machine's state now: median seconds of `reps` one-token target forwards after the committed
-    rows (the rows are dropped again). `LatencyModel.speed_ratio` turns it into a speed."""
-    dev, L = target.device, target.cache.length
-    times = []
-    for _ in range(reps):
-        tok = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]
-        synchronize(dev)
-        t0 = time.perf_counter()
-        target.forward(tok, torch.tensor([L], device=dev), None)
-        synchronize(dev)
-        times.append(time.perf_counter() - t0)
-        target.cache.commit(None)
-    return float(np.median(times))
-
-
 # English prose for the requests that measure t_fixed and the catch-up: after random tokens the drafter
 # accepts nothing, and the catch-up of accepted tokens would never be seen
 CALIBRATION_TEXT = (
@@ -214,46 +158,6 @@ CALIBRATION_TEXT = (
     "depends on how often the drafter guesses right, on how much more a pass over many tokens costs than a "
     "pass over one, and on the time spent between passes."
 )
-
-
-def decode_loop_level(sizes: list[int], a: list[float], b: list[float], table: np.ndarray, elasticity: list[float],
-                      forwards: list[tuple[int, int, int, float, float]]) -> dict:
-    """Set the verify model's level where decoding runs it (in place; the grid keeps its shape in n and L).
-    The grid times each shape in a burst of two after a probe, shuffled among the others; the decode loop
-    runs a one-row forward after another (an autoregressive step) and a tree forward after drafting
-    levels. Each decode-loop forward comes with the state of its request (`speed`: the probes around it
-    over the grid's one-row time, `probe_seconds`) and is compared with the grid's model moved to that
-    state through the elasticity; a request's ratio is its forwards' median, and every row is scaled by
-    the median over all requests. One scale: per request the ratio did not depend on the tree size
-    (0.87-1.03 over 1, 3, 11 and 29 rows in one calibration on the AMD EPYC), while a scale per kind
-    rests on 4 autoregressive requests and moved from run to run (tree / one-row 0.94-1.34).
-    forwards: (request, n, L, speed, seconds). Returns the figures (the per-kind medians for the
-    record), with `probe_level`: what a probe reads over the new one-row table in the mean state."""
-    xs = np.asarray(sizes, dtype=np.float64)
-    req, n, L, f, sec = np.array(forwards, dtype=np.float64).T
-    grid = (np.interp(n, xs, np.asarray(a)) + np.interp(n, xs, np.asarray(b)) * L) * (1.0 + np.interp(n, xs, np.asarray(elasticity)) * (f - 1.0))
-    ratio = sec / grid
-    per_request = [(int(n[req == r][0]), float(np.median(ratio[req == r]))) for r in np.unique(req)]
-    scale = float(np.median([v for _, v in per_request]))
-    for i in range(len(sizes)):
-        a[i], b[i] = a[i] * scale, b[i] * scale
-    table *= scale
-    one = [v for k, v in per_request if k == 1]
-    tree = [v for k, v in per_request if k > 1]
-    return {"scale": scale, "probe_level": 1.0 / scale, "requests": len(per_request),
-            "one_row_ratio": float(np.median(one)) if one else None, "tree_ratio": float(np.median(tree)) if tree else None}
-
-
-def decode_loop_draft_scale(widths: list[int], table: list[float], levels: list[tuple[int, int, float]]) -> float:
-    """The ratio of the decode loop's drafting levels to the draft table: the median over requests of
-    the median over their levels past the first of seconds / t_draft(width) (a head level in decoding
-    follows a target pass that took the caches; the table times it right after `begin`). levels:
-    (request, frontier width, seconds); 1 without any."""
-    if not levels:
-        return 1.0
-    req, w, sec = np.array(levels, dtype=np.float64).T
-    ratio = sec / np.interp(w, np.asarray(widths, dtype=np.float64), np.asarray(table))
-    return float(np.median([np.median(ratio[req == r]) for r in np.unique(req)]))
 
 
 # static trees whose real cycles give t_fixed of a speculative cycle: a 2-token chain, a small and a bushy tree
@@ -267,20 +171,6 @@ def _overhead_per_cycle(res) -> list[tuple[int, float]]:
         return []
     loop = (res.wall_seconds - res.prefill_seconds - sum(c.cycle_seconds for c in res.cycles)) / len(res.cycles)
     return [(c.tree_size + 1, c.other_seconds + loop) for c in res.cycles]
-
-
-def fit_fixed(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """(fixed, fixed_slope): t_fixed(n) = fixed + fixed_slope * (n - 1) through the median overhead of each
-    tree size (least squares over the sizes, slope >= 0); one size gives a constant."""
-    by_n: dict[int, list[float]] = {}
-    for n, s in samples:
-        by_n.setdefault(int(n), []).append(float(s))
-    ns = np.array(sorted(by_n), dtype=np.float64)
-    med = np.array([np.median(by_n[int(n)]) for n in ns])
-    if len(ns) < 2:
-        return (float(med[0]) if len(med) else 0.0), 0.0
-    slope = max(float(np.polyfit(ns - 1, med, 1)[0]), 0.0)
-    return float(np.mean(med - slope * (ns - 1))), slope
 
 
 def level_widths(structure: Structure) -> list[int]:
@@ -299,24 +189,6 @@ def _deeper_levels(res, widths: list[int]) -> list[tuple[int, float]]:
 def _first_levels(res) -> list[tuple[int, float]]:
     """(tokens the previous cycle committed, seconds of this cycle's first draft level), from the 2nd cycle on."""
     return [(prev.accepted, c.draft_seconds[0]) for prev, c in zip(res.cycles, res.cycles[1:]) if c.draft_seconds]
-
-
-def fit_catchup(samples: list[tuple[int, float]], min_samples: int = 3) -> list[float]:
-    """Seconds the j-th accepted token adds to the next first draft level, j = 1..: increments of the
-    running maximum of median(first level | b) - median(first level | b = 1) over b = 2, 3, ... with at
-    least `min_samples` cycles each (the first b without them ends the table: nothing is added past it)."""
-    by_b: dict[int, list[float]] = {}
-    for b, s in samples:
-        by_b.setdefault(int(b), []).append(float(s))
-    if len(by_b.get(1, [])) < min_samples:
-        return []
-    base, cum, out = float(np.median(by_b[1])), 0.0, []
-    b = 2
-    while len(by_b.get(b, [])) >= min_samples:
-        new = max(cum, float(np.median(by_b[b])) - base)
-        out.append(new - cum)
-        cum, b = new, b + 1
-    return out
 
 
 def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int, seed: int,
@@ -447,7 +319,8 @@ def calibrate_latency(
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
     pre = target.prefill(prompt)
     draft = {w: float(np.median(v)) for w, v in
-             _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng, dev=target.device)[0].items()}
+             _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng,
+                            dev=target.device)[0].items()}
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
@@ -495,46 +368,6 @@ def calibrate_latency(
     )
 
 
-def kernel_cache_dir() -> Path:
-    return K.native.cache_root() / "kernels"
-
-
-def calibrate_device_kernels(
-    hf_model, cfg: dict, *, device: str = "cpu", cache: Path | None = None, log=print
-) -> tuple[K.KernelTable, bool]:
-    """The kernel table for this model's weight classes and layer ops on this device (`engine.kernels`),
-    and whether it came from the cache. cfg: the `kernels` config section. The cache key is the device
-    key (CPU model, torch version, threads, dtype), the weight shapes, the settings, the selection rule and the native
-    kernel's source, so any change times afresh. Only CPU kernels are timed: on CUDA the table holds
-    the reference kernel (cuBLAS through F.linear) for every class. A model off the fast path
-    (`fast_path_refusal`: Gemma, ...) runs through transformers' modules, which take no table: it
-    gets an empty one that says why."""
-    refusal = fast_path_refusal(hf_model.config)
-    if refusal is not None:
-        dtype = next(hf_model.parameters()).dtype
-        return K.reference_table({}, device, dtype, f"the transformers backend runs this model ({refusal}): no kernels to choose"), False
-    lm = LlamaTreeLM(hf_model, max_len=8)  # reference kernels only: just to collect the fused weights
-    weights = {c: [w.w for w in lm.mm[c].weights] for c in K.CLASSES}
-    shapes = {c: list(ws[0].shape) for c, ws in weights.items()}
-    if device != "cpu":
-        return K.reference_table(shapes, device, lm.dtype, f"only the reference kernel is used on {device}"), False
-    threads = torch.get_num_threads()
-    candidates = tuple(k for name in cfg["candidates"] for k in (K.native_kernels(threads) if name == "native" else (name,)))
-    layer_ops = {"shape": lm.layer_ops_shape, "n_layers": len(lm.layers), "eps": lm.eps, "context": cfg["layer_ops_context"], "max_rows": 64}
-    ident = {"key": K.device_key("cpu", lm.dtype), "shapes": shapes, "rows": cfg["rows"], "reps": cfg["reps"],
-             "candidates": candidates, "layer_ops": layer_ops, "selection": K.SELECTION, "native": K.native.source_texts()}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    cached = (cache or kernel_cache_dir()) / f"kernels-{digest}.json"
-    if cfg["cache"] and cached.is_file():
-        return K.read_kernel_table(cached), True
-    table = K.calibrate_kernels(weights, rows=cfg["rows"], reps=cfg["reps"], candidates=candidates, layer_ops=layer_ops,
-                                max_seconds=cfg["max_seconds"], log=log)
-    table.meta["cache_key"] = digest
-    if cfg["cache"]:
-        K.write_kernel_table(table, cached)
-    return table, False
-
-
 def write_calibration(cal: LatencyCalibration, *, json_path: Path, png_path: Path | None = None) -> None:
     """latency.json (`artifacts.latency.write_latency`) and, optionally, the latency.png plot."""
     write_latency(cal, json_path)
@@ -542,41 +375,3 @@ def write_calibration(cal: LatencyCalibration, *, json_path: Path, png_path: Pat
         plot_calibration(cal, png_path=Path(png_path))
 
 
-def plot_calibration(cal: LatencyCalibration, *, png_path: Path, dpi: int = 80) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    m = cal.model
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ns = np.arange(1, max(m.sizes) + 1)
-    Ls = sorted(set(m.contexts) | {v["L"] for v in cal.validation})
-    for i, L in enumerate(Ls):
-        color = f"C{i}"
-        ax1.plot(ns, 1e3 * m.t_verify(ns, L), "-", color=color, lw=1, label=f"model L={L}")
-        if L in m.contexts:
-            j = m.contexts.index(L)
-            ax1.plot(m.sizes, 1e3 * np.asarray(m.verify_table)[:, j], "o", color=color, ms=3)
-        pts = [v for v in cal.validation if v["L"] == L]
-        if pts:
-            ax1.plot([v["n"] for v in pts], [1e3 * v["measured"] for v in pts], "x", color=color, ms=6)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("tree tokens n (root included)")
-    ax1.set_ylabel("t_verify (ms)")
-    ax1.set_title(f"verify: table (o), held-out (x), MdAPE {100 * cal.mdape:.1f}%", fontsize=9)
-    ax1.legend(fontsize=7)
-    ws = np.arange(1, max(m.draft_widths) + 1)
-    ax2.plot(m.draft_widths, 1e3 * np.asarray(m.draft_table), "o", ms=3, label="measured")
-    ax2.plot(ws, 1e3 * m.t_draft(ws), "-", lw=1, label="model")
-    ax2.set_xlabel("frontier width w")
-    ax2.set_ylabel("t_draft (ms)")
-    ax2.set_title(f"draft level ({m.meta.get('drafter', '?')}); t_fixed {1e3 * m.fixed:.1f} ms, + {1e6 * m.fixed_slope:.0f} us/node, AR {1e3 * m.fixed_ar:.2f} ms",
-                  fontsize=9)
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png_path.with_name(f".{png_path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, png_path)

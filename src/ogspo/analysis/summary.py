@@ -1,6 +1,6 @@
 """Aggregates of an evaluation (stage `evaluate`, and `report` recomputing them from
 requests.parquet): per-cell medians, spreads and paired-ratio intervals of every method against
-autoregressive decoding, tuned EAGLE-3 and the best baseline of the cell (`stages.compare`)."""
+autoregressive decoding, tuned EAGLE-3 and the best baseline of the cell (`analysis.compare`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,9 @@ from collections.abc import Mapping
 import numpy as np
 import polars as pl
 
+from ogspo.analysis.compare import best_of_intervals, intervals_json, ratio_intervals
+from ogspo.artifacts.records import temperature_tag
 from ogspo.methods.registry import AA_CHECK, REFERENCE, TUNED
-from ogspo.stages.compare import best_of_intervals, intervals_json, ratio_intervals
-
-
-def temperature_tag(temperature: float) -> str:
-    """0 -> T0, 1.0 -> T1, 0.7 -> T0.7 (as the records, solve and policy folders are named)."""
-    return f"T{float(temperature):g}"
 
 
 def quantile(x: np.ndarray, q: float) -> float:
@@ -50,7 +46,7 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
     """One row per method x workload x temperature: medians and spreads (IQR and min/max) of
     throughput, tau, paired speedup over `reference` and ratio to `baseline` (medians of per-request
     ratios), the geometric means of the paired ratios to `reference`, to `baseline` and to the cell's
-    best baseline (`stages.compare`: picked on the calib prompts, `vs_best`, and picked on these
+    best baseline (`analysis.compare`: picked on the calib prompts, `vs_best`, and picked on these
     requests with a re-pick in every resample, `vs_best_eval`) with 95% bootstrap intervals, time to
     first token and request latency percentiles, surrogate-predicted throughput, oracle bound and time
     split (shares of wall time)."""
@@ -96,7 +92,8 @@ def summarize_requests(df: pl.DataFrame, *, oracle: Mapping[str, float] | None =
                 "throughput_min": float(tps.min()), "throughput_max": float(tps.max()),
                 "tau": tau, "mean_tree_size": float(r["mean_tree_size"].mean()),
                 "speedup": float(np.median(speed)) if len(speed) else None,
-                "speedup_q25": quantile(speed, 0.25) if len(speed) else None, "speedup_q75": quantile(speed, 0.75) if len(speed) else None,
+                "speedup_q25": quantile(speed, 0.25) if len(speed) else None,
+                "speedup_q75": quantile(speed, 0.75) if len(speed) else None,
                 "vs_eagle_tuned": float(np.median(vs_tuned)) if len(vs_tuned) else None,
                 "speedup_gm": ivs["vs_ar"].to_dict() if ivs["vs_ar"] else None,
                 "vs_eagle_tuned_gm": ivs["vs_tuned"].to_dict() if ivs["vs_tuned"] else None,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ogspo.analysis.summary import SEQUOIA, quantile
 from ogspo.artifacts.io import write_json
 from ogspo.engine.policies import Autoregressive, DynamicTree, TreePolicy
-from ogspo.methods.registry import REFERENCE, TUNED
-from ogspo.stages.evaluate import MethodSpec, make_method_engine, pair_seed, run_request, slot_order, slot_seed
-from ogspo.stages.summary import SEQUOIA, quantile
+from ogspo.methods.harness import make_method_engine, pair_seed, run_request, slot_order, slot_seed
+from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec
 
 
 @dataclass

@@ -4,7 +4,7 @@ Acceptance records depend on the target, the drafter, the workload and the tempe
 device: only times do (docs/DESIGN.md §5). So a user with records from one machine and a latency.json
 calibrated on another (`ogspo calibrate-latency` there, same model) re-solves the oracle
 (`offline.solve.solve_oracle`) and re-trains the stop policy on the oracle's structure
-(`stages.train_policy.run_train_policy`) without decoding anything here. What this path cannot do:
+(`stages.train_policy_only.run_train_policy`) without decoding anything here. What this path cannot do:
 same-trace corrections (they run the engine on the device) and the size rule (fitted after them).
 
 The records template bounds what can be found: when the new optimum touches the template's depth or
@@ -25,7 +25,7 @@ from ogspo.artifacts.records import load_records
 from ogspo.engine.tree import Structure
 from ogspo.offline.replay import replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_oracle
-from ogspo.stages.train_policy import PolicyStageResult, run_train_policy
+from ogspo.stages.train_policy_only import PolicyStageResult, run_train_policy
 
 ORACLE_FILE = "oracle.json"
 POLICY_DIR = "policy"

@@ -212,7 +212,8 @@ def collect_records(
         write_shard_table(cdf, cycles_p, full)
         computed.append(i)
         n_cycles += cdf.height
-    return RecordsResult(out_dir=out_dir, shards=shards, computed=computed, n_cycles=n_cycles, seconds=time.perf_counter() - t_start)
+    return RecordsResult(out_dir=out_dir, shards=shards, computed=computed, n_cycles=n_cycles,
+                         seconds=time.perf_counter() - t_start)
 
 
 # ---------------------------------------------------------------- summary
