@@ -57,7 +57,8 @@ def test_native_ops_match_torch(m, with_bias):
     attend = None if m == 1 else attend
     cos, sin = _rope(g)
     mask = None if attend is None else torch.cat([torch.ones(m, context, dtype=torch.bool), attend], 1)[None, None]
-    step = Step(positions=(context + depth)[None], start=context, committed=context, attend=attend, mask=mask, cos_table=cos, sin_table=sin)
+    step = Step(positions=(context + depth)[None], start=context, committed=context, attend=attend, mask=mask, cos_table=cos,
+                sin_table=sin)
     qkv = torch.randn(1, m, (H + 2 * KV) * HD, generator=g)
     bias = torch.randn((H + 2 * KV) * HD, generator=g) if with_bias else None
     x, r, w = torch.randn(1, m, DIM, generator=g), torch.randn(1, m, DIM, generator=g), torch.randn(DIM, generator=g)
@@ -80,16 +81,19 @@ def test_native_ops_match_torch(m, with_bias):
         torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), atol=1e-6, rtol=1e-5)
 
 
-def test_native_attention_gives_a_token_the_same_bits_alone_or_in_any_tree():
+@pytest.mark.parametrize("context", [32, 33, 38])
+def test_native_attention_gives_a_token_the_same_bits_alone_or_in_any_tree(context):
     """Verify a tree of 12 nodes at once; then, for every node, decode its root-to-node path one
     token at a time (the ancestors committed at contiguous rows, as after acceptance): the node's
-    attention output is bitwise the same, on 1 or 2 threads."""
+    attention output is bitwise the same, on 1 or 2 threads. The contexts put a token's keys in the
+    last, partial block of 8 keys alone and in a full block inside the tree."""
     g = torch.Generator().manual_seed(5)
-    context, m = 33, 12
+    m = 12
     attend, depth, parents = _tree(m, g)
     cos, sin = _rope(g)
     qkv = torch.randn(1, m, (H + 2 * KV) * HD, generator=g)
-    tree_step = Step(positions=(context + depth)[None], start=context, committed=context, attend=attend, mask=None, cos_table=cos, sin_table=sin)
+    tree_step = Step(positions=(context + depth)[None], start=context, committed=context, attend=attend, mask=None, cos_table=cos,
+                     sin_table=sin)
     for name in ("native1", "native2"):
         ops = _ops(name)
         k, v = _caches(torch.Generator().manual_seed(1), context)
@@ -102,7 +106,8 @@ def test_native_attention_gives_a_token_the_same_bits_alone_or_in_any_tree():
                 j = parents[j]
             k, v = _caches(torch.Generator().manual_seed(1), context)
             for t, j in enumerate(path):
-                one = Step(positions=torch.tensor([[context + t]]), start=context + t, committed=context + t, attend=None, mask=None,
+                one = Step(positions=torch.tensor([[context + t]]), start=context + t, committed=context + t, attend=None,
+                           mask=None,
                            cos_table=cos, sin_table=sin)
                 out = _ops("native1" if t % 2 else "native2").rope_attention(qkv[:, j : j + 1], None, one, k, v)[0, 0]
             assert torch.equal(out, tree_out[node]), (name, node)
@@ -121,7 +126,8 @@ def test_a_target_switching_layer_ops_by_row_count_is_lossless():
     table = K.KernelTable(key=K.device_key("cpu", torch.float32), shapes=shapes, rows=rows, choice=choice,
                           pad_to={c: list(rows) for c in choice})
     target = LlamaTreeLM(target_model, max_len=256, kernels=table)
-    assert target.layer_ops(1).name == "native2" and target.layer_ops(5).name == "torch" and target.layer_ops(40).name == "native2"  # past the table: its last entry
+    assert target.layer_ops(1).name == "native2" and target.layer_ops(5).name == "torch"
+    assert target.layer_ops(40).name == "native2"  # past the table: its last entry
     assert_tree_policies_equal_greedy(target, target_model, draft_model)
 
 
@@ -245,8 +251,10 @@ def test_the_one_call_layer_gives_the_layer_by_layer_bits(dtype):
     lm = LlamaTreeLM(target_model, max_len=8)
     shapes = {c: list(m.weights[0].w.shape) for c, m in lm.mm.items()} | {K.LAYER_OPS: lm.layer_ops_shape}
     rows = [1, 2, 4, 8, 16]
-    choice = {c: ["native2", "native1", "native2", "native1", "native2"] for c in K.CLASSES} | {K.LAYER_OPS: ["native2"] * len(rows)}
-    table = K.KernelTable(key=K.device_key("cpu", dtype), shapes=shapes, rows=rows, choice=choice, pad_to={c: list(rows) for c in choice})
+    choice = {c: ["native2", "native1", "native2", "native1",
+                  "native2"] for c in K.CLASSES} | {K.LAYER_OPS: ["native2"] * len(rows)}
+    table = K.KernelTable(key=K.device_key("cpu", dtype), shapes=shapes, rows=rows, choice=choice,
+                          pad_to={c: list(rows) for c in choice})
     outs = {}
     for fused in (True, False):
         target = LlamaTreeLM(target_model, max_len=64, kernels=table, feature_layers=(0, 1))

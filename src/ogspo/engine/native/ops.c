@@ -188,11 +188,21 @@ int ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *pos
                 failed = 1;
                 continue;
             }
-            /* visibility of pending key j for lane l: row (b * VW + l) / group */
+            /* scores, 8 keys at a time; the last keys through the same code on a zero-padded copy, so a
+             * key's score is one instruction sequence wherever it falls (a separate tail loop compiled
+             * differently on AVX2 Zen 3 with -march=native, and a row alone then differed from the same
+             * row in a tree) */
+            float kpad[8 * hd];
             int64_t j = 0;
-            for (; j + 8 <= end; j += 8) {
-                vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+            for (; j < end; j += 8) {
                 const float *k = K + j * hd;
+                const int64_t n = end - j < 8 ? end - j : 8;
+                if (n < 8) {
+                    memset(kpad, 0, sizeof(kpad));
+                    memcpy(kpad, k, sizeof(float) * n * hd);
+                    k = kpad;
+                }
+                vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
                 for (int64_t d = 0; d < hd; d++) {
                     vf q = vload(Q + d * ldq);
                     a0 += q * k[d];
@@ -204,13 +214,8 @@ int ogspo_rope_attention(const float *qkv, const float *bias, const int64_t *pos
                     a6 += q * k[6 * hd + d];
                     a7 += q * k[7 * hd + d];
                 }
-                S[j] = a0, S[j + 1] = a1, S[j + 2] = a2, S[j + 3] = a3, S[j + 4] = a4, S[j + 5] = a5, S[j + 6] = a6, S[j + 7] = a7;
-            }
-            for (; j < end; j++) {
-                vf a0 = {0};
-                const float *k = K + j * hd;
-                for (int64_t d = 0; d < hd; d++) a0 += vload(Q + d * ldq) * k[d];
-                S[j] = a0;
+                const vf a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+                for (int64_t t = 0; t < n; t++) S[j + t] = a[t];
             }
             /* masks of the pending keys: vis[l] = 1 where lane l may see key j */
             vi lanes_valid;
