@@ -23,8 +23,12 @@ V, DV, D, H, KV, HD, I, N = 64, 24, 32, 4, 2, 8, 40, 4  # target vocab, draft vo
 AUX_IDS = [1, 2, 3]  # vLLM's numbering: the hidden states entering target layers 1, 2 and 3
 
 
-def official_head(folder, *, seed=0, vocab=V, hidden=D, aux_ids=AUX_IDS, theta=10000.0):
-    """An EAGLE-3 head folder as the published ones are laid out: random weights by key name."""
+def official_head(folder, *, seed=0, vocab=V, hidden=D, aux_ids=AUX_IDS, theta=10000.0, sglang_ids=None,
+                  norm_before_residual=None, norm_before_fc=None, torch_bin=False):
+    """An EAGLE-3 head folder as the published ones are laid out: random weights by key name. Variants:
+    feature layers only under `eagle_config` in SGLang's numbering (`sglang_ids`, with `aux_ids` None), the
+    `norm_before_residual` / `norm_before_fc` flags (the latter with its `input_norm.weight`), and the
+    weights as `pytorch_model.bin`."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g) * 0.3  # noqa: E731
     hot = torch.randperm(vocab, generator=g)[:DV].sort().values  # the drafted target ids
@@ -47,12 +51,24 @@ def official_head(folder, *, seed=0, vocab=V, hidden=D, aux_ids=AUX_IDS, theta=1
         "d2t": hot - torch.arange(DV),  # offsets: target id = draft id + d2t[draft id]
         "t2d": t2d,
     }
+    if norm_before_fc:
+        state["input_norm.weight"] = 1 + r(3 * hidden)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(folder / WEIGHTS))
+    if torch_bin:
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        save_file(state, str(folder / WEIGHTS))
     conf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": I,
             "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": HD, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
             "vocab_size": vocab, "draft_vocab_size": DV, "rope_theta": theta, "max_position_embeddings": 512,
-            "tie_word_embeddings": False, "eagle_aux_hidden_state_layer_ids": aux_ids}
+            "tie_word_embeddings": False}
+    if aux_ids is not None:
+        conf["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    if sglang_ids is not None:
+        conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True}
+    for key, value in (("norm_before_residual", norm_before_residual), ("norm_before_fc", norm_before_fc)):
+        if value is not None:
+            conf[key] = value
     (folder / CONFIG).write_text(json.dumps(conf))
     return state, conf
 
@@ -63,8 +79,13 @@ def eagle3_logits(state, conf, embed, features, tokens):
     w = lambda k: state[k].double()  # noqa: E731
     norm = lambda x, k: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + conf["rms_norm_eps"]) * w(k)  # noqa: E731
     T = len(tokens)
-    h = features.double() @ w("fc.weight").T  # [T, D] the residual
+    f = features.double()
+    if conf.get("norm_before_fc"):  # one RMSNorm over the concatenated features (vLLM's `input_norm`)
+        f = norm(f, "input_norm.weight")
+    h = f @ w("fc.weight").T  # [T, D]
     x = torch.cat([norm(embed[tokens].double(), "midlayer.input_layernorm.weight"), norm(h, "midlayer.hidden_norm.weight")], -1)
+    if conf.get("norm_before_residual"):  # the residual stream is the normed feature
+        h = norm(h, "midlayer.hidden_norm.weight")
     q = (x @ w("midlayer.self_attn.q_proj.weight").T).view(T, H, HD).transpose(0, 1)  # [H, T, hd]
     k = (x @ w("midlayer.self_attn.k_proj.weight").T).view(T, KV, HD).transpose(0, 1)
     v = (x @ w("midlayer.self_attn.v_proj.weight").T).view(T, KV, HD).transpose(0, 1)
@@ -133,5 +154,48 @@ def test_a_head_for_another_target_is_refused_in_one_line(tmp_path, change, mess
 
 def test_not_a_head_folder_is_named(tmp_path):
     target = tiny_model(0).float()
-    with pytest.raises(FileNotFoundError, match="lacks config.json or model.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"lacks config.json or model.safetensors \(or pytorch_model.bin\)"):
         load_head(tmp_path, target_model=target)
+
+
+@pytest.mark.parametrize("variant", [
+    {"aux_ids": None, "sglang_ids": [0, 1, 2]},  # ids only where SGLang reads them: the input of layer id + 1
+    {"norm_before_residual": True},
+    {"norm_before_fc": True},
+    {"norm_before_residual": False, "norm_before_fc": False, "torch_bin": True},
+])
+def test_every_published_form_of_a_head_loads_and_computes_eagle3s_layer(tmp_path, variant):
+    target = tiny_model(0, vocab=V, layers=N, hidden=D, heads=H, kv_heads=KV)
+    state, conf = official_head(tmp_path / "head", **variant)
+    head, _ = load_head(tmp_path / "head", target_model=target)
+    assert head.cfg.feature_layers == (0, 1, 2)
+    prompt = torch.tensor([3, 7, 11, 2, 9, 40, 5, 5, 17, 30])
+    with torch.no_grad():
+        hs = target(prompt[None], output_hidden_states=True).hidden_states
+        features = torch.cat([hs[j][0] for j in AUX_IDS], -1)  # [T, 3D]
+        ours = head.forward_train(features[None, :-1].float(), prompt[None, 1:], 1)[0][0]
+    ref = eagle3_logits(state, conf, target.model.embed_tokens.weight, features[:-1], prompt[1:])
+    torch.testing.assert_close(ours.double(), ref, atol=2e-4, rtol=2e-4)
+    drafter = EagleDrafter(head, max_len=64)  # the decode path (project, step) computes the same layer
+    drafter.begin(prompt[:-1].tolist(), ForwardOut(logits=torch.zeros(1), features=features[:-1].float()))
+    exp = drafter.expand(DraftTree.from_root(int(prompt[-1])), np.array([0]), 3)
+    top = ref[-1].topk(3).indices
+    assert exp.tokens[0].tolist() == (top + state["d2t"][top]).tolist()
+    (tmp_path / "again").mkdir()  # ogspo writes the variant back, with both copies of the feature layers
+    save_eagle3(head, tmp_path / "again", target_config=target.config)
+    again = json.loads((tmp_path / "again" / CONFIG).read_text())
+    assert again["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in again["eagle_aux_hidden_state_layer_ids"]]
+    assert again["norm_before_residual"] == bool(variant.get("norm_before_residual"))
+    assert again["norm_before_fc"] == bool(variant.get("norm_before_fc"))
+    reloaded, _ = load_head(tmp_path / "again", target_model=target)
+    with torch.no_grad():
+        again_logits = reloaded.forward_train(features[None, :-1].float(), prompt[None, 1:], 1)[0][0]
+    assert torch.equal(again_logits, ours)
+
+
+def test_feature_layers_written_twice_must_agree(tmp_path):
+    target = tiny_model(0, vocab=V, layers=N, hidden=D, heads=H, kv_heads=KV)
+    official_head(tmp_path / "head", aux_ids=[1, 2, 3], sglang_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids \[1, 2, 3\] and eagle_config's \[1, 2, 3\]") as err:
+        load_head(tmp_path / "head", target_model=target)
+    assert "\n" not in str(err.value)

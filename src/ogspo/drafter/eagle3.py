@@ -11,8 +11,12 @@ trains is written in (with ogspo's own `drafter.json` beside it: target checksum
   `vocab_size` (the target's), `draft_vocab_size`, `target_hidden_size`, the target's rotary settings
   (`rope_theta`, `rope_scaling`), and `eagle_aux_hidden_state_layer_ids` in vLLM's numbering: id j is
   the hidden state entering target layer j (the output of layer j - 1, 0 the embedding), so ogspo's
-  feature layers (outputs of 0-based layers) are those ids minus one. Absent, vLLM's default
-  (2, N/2, N-3) for an N-layer target.
+  feature layers (outputs of 0-based layers) are those ids minus one; llama.cpp's converter reads the
+  same field. SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures the input
+  of layer id + 1, so that copy holds the ids minus one. Absent in both places, vLLM's default (2, N/2,
+  N-3) for an N-layer target. `norm_before_residual` and `norm_before_fc` (false for ogspo's heads)
+  are written out and read (`head.HeadConfig`).
+- The weights load from `model.safetensors`, or `pytorch_model.bin` where a head ships that.
 
 Torch and transformers only: no engine imports beyond the head itself.
 """
@@ -29,6 +33,7 @@ from .head import EagleHead, HeadConfig
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+TORCH_WEIGHTS = "pytorch_model.bin"  # the other form published heads ship (EAGLE's own loader reads it)
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's name, vLLM's alias
 
 # ogspo's parameter names -> EAGLE-3's keys (vectors are nn.Parameters of the head, matrices its Linear weights)
@@ -49,10 +54,15 @@ KEYS = {
 }
 
 
+def keys_of(cfg: HeadConfig) -> dict[str, str]:
+    """`KEYS`, with `input_norm.weight` for a head that norms its features before fc."""
+    return KEYS | ({"input_norm": "input_norm.weight"} if cfg.norm_before_fc else {})
+
+
 def eagle3_state(head: EagleHead) -> dict[str, torch.Tensor]:
     """The head's tensors under EAGLE-3's keys, on the CPU, with `d2t` as offsets and `t2d` as a mask."""
     own = head.state_dict()
-    state = {key: own[name].detach().cpu().contiguous() for name, key in KEYS.items()}
+    state = {key: own[name].detach().cpu().contiguous() for name, key in keys_of(head.cfg).items()}
     d2t = head.d2t.cpu()
     state["d2t"] = d2t - torch.arange(len(d2t))  # [V'] offsets: target = draft + d2t[draft]
     t2d = torch.zeros(head.cfg.vocab, dtype=torch.bool)
@@ -100,6 +110,10 @@ def eagle3_config(cfg: HeadConfig, target_config) -> dict:
         "mlp_bias": False,
         "torch_dtype": "float32",
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.feature_layers],
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        # SGLang's copy: it captures the input of layer id + 1
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers), "use_aux_hidden_state": True},
     }
 
 
@@ -110,8 +124,25 @@ def save_eagle3(head: EagleHead, out_dir: Path, *, target_config) -> None:
     (out_dir / CONFIG).write_text(json.dumps(eagle3_config(head.cfg, target_config), indent=1))
 
 
+def weights_file(path: Path) -> Path | None:
+    """The head folder's weights: model.safetensors, else pytorch_model.bin; None without either."""
+    return next((Path(path) / f for f in (WEIGHTS, TORCH_WEIGHTS) if (Path(path) / f).is_file()), None)
+
+
 def is_eagle3_folder(path: Path) -> bool:
-    return (Path(path) / CONFIG).is_file() and (Path(path) / WEIGHTS).is_file()
+    return (Path(path) / CONFIG).is_file() and weights_file(path) is not None
+
+
+def aux_layer_ids(conf: dict, n_layers: int, *, where: str) -> list[int]:
+    """The feature layer ids in vLLM's numbering from either place a head writes them (the top level, or
+    SGLang's `eagle_config` ids plus one); both present, they must agree."""
+    top = conf.get("eagle_aux_hidden_state_layer_ids")
+    nested = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    from_sglang = None if nested is None else [int(i) + 1 for i in nested]
+    if top is not None and from_sglang is not None and [int(i) for i in top] != from_sglang:
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} and eagle_config's {list(nested)} "
+                         "(SGLang's numbering, the input of layer id + 1) name different layers")
+    return [int(i) for i in top] if top is not None else from_sglang or [2, n_layers // 2, n_layers - 3]
 
 
 def head_config(conf: dict, target_config, *, where: str) -> HeadConfig:
@@ -132,7 +163,7 @@ def head_config(conf: dict, target_config, *, where: str) -> HeadConfig:
         raise ValueError(f"{where}: head of hidden size {hidden} (target features {fed}), the target's is {t_hidden}")
     if conf["vocab_size"] != t_vocab:
         raise ValueError(f"{where}: head for a vocabulary of {conf['vocab_size']} tokens, the target has {t_vocab}")
-    ids = conf.get("eagle_aux_hidden_state_layer_ids") or [2, n_layers // 2, n_layers - 3]
+    ids = aux_layer_ids(conf, n_layers, where=where)
     if len(ids) != 3 or not all(1 <= int(i) <= n_layers - 1 for i in ids):
         raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be 3 layer ids in 1..{n_layers - 1} "
                          f"(hidden states entering layers of this {n_layers}-layer target)")
@@ -144,6 +175,8 @@ def head_config(conf: dict, target_config, *, where: str) -> HeadConfig:
         intermediate=conf["intermediate_size"], eps=float(conf.get("rms_norm_eps", 1e-6)), vocab=t_vocab,
         draft_vocab=int(conf.get("draft_vocab_size") or t_vocab), feature_layers=tuple(int(i) - 1 for i in ids),
         rope_theta_inv_freq=rope.inv_freq.float().tolist(), rope_scaling=float(rope.attention_scaling),
+        norm_before_residual=bool(conf.get("norm_before_residual", False)),
+        norm_before_fc=bool((conf.get("eagle_config") or {}).get("norm_before_fc", conf.get("norm_before_fc", False))),
     )
 
 
@@ -154,10 +187,12 @@ def load_eagle3(path: Path, *, target_model) -> EagleHead:
     where = f"draft head {path}"
     conf = json.loads((path / CONFIG).read_text())
     cfg = head_config(conf, target_model.config, where=where)
-    state = load_file(str(path / WEIGHTS))
-    missing = [k for k in KEYS.values() if k not in state]
+    weights = weights_file(path)
+    state = load_file(str(weights)) if weights.name == WEIGHTS else torch.load(weights, map_location="cpu", weights_only=True)
+    keys = keys_of(cfg)
+    missing = [k for k in keys.values() if k not in state]
     if missing:
-        raise ValueError(f"{where}: model.safetensors lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+        raise ValueError(f"{where}: {weights.name} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} "
                          "(an EAGLE-3 head has fc, midlayer.*, norm and lm_head weights)")
     lm = state["lm_head.weight"]
     if tuple(lm.shape) != (cfg.draft_vocab, cfg.hidden):
@@ -170,6 +205,6 @@ def load_eagle3(path: Path, *, target_model) -> EagleHead:
         raise ValueError(f"{where}: t2d does not mark the target ids d2t maps to")
     embed = state.get("embed_tokens.weight", target_model.get_input_embeddings().weight)
     head = EagleHead(cfg, embed=embed.to(target_model.get_input_embeddings().weight.device), lm_rows=lm, d2t=d2t)
-    own = {name: state[key] for name, key in KEYS.items()} | {"d2t": d2t}
+    own = {name: state[key] for name, key in keys.items()} | {"d2t": d2t}
     head.load_state_dict({k: v.to(head.lm_rows.dtype) if v.is_floating_point() else v for k, v in own.items()}, strict=True)
     return head

@@ -10,6 +10,9 @@ like the target's layers (any family the engine runs):
 - a final RMSNorm and a reduced LM head: the frozen target LM-head rows of the `draft_vocab` most
   frequent tokens (or those rows trained further, `drafter.train_lm_head`), with `d2t` mapping draft
   ids back to target ids. The embedding is the target's, frozen and shared.
+- Two variants published heads declare (vLLM and speculators read them from config.json):
+  `norm_before_fc` (one RMSNorm, `input_norm`, on the concatenated features before `fc`) and
+  `norm_before_residual` (the residual stream is hidden_norm(h) instead of h). ogspo's own heads use neither.
 
 Input at position t is (feature of position t, token t+1); the output predicts token t+2.
 At decode time (`use_kernels`) the head's matmuls run on the target's measured kernel table in the
@@ -43,6 +46,8 @@ class HeadConfig:
     feature_layers: tuple[int, ...]
     rope_theta_inv_freq: list[float]
     rope_scaling: float = 1.0
+    norm_before_residual: bool = False  # the residual is hidden_norm(h), not h (published heads' flag)
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`, 3D wide) on the concatenated features before fc
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -201,6 +206,8 @@ class EagleHead(nn.Module):
         self.up = nn.Linear(D, cfg.intermediate, bias=False, device=dev)
         self.down = nn.Linear(cfg.intermediate, D, bias=False, device=dev)
         self.norm = nn.Parameter(torch.ones(D, device=dev))
+        if cfg.norm_before_fc:
+            self.input_norm = nn.Parameter(torch.ones(3 * D, device=dev))  # on cat(features) [3D]
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_theta_inv_freq, dtype=torch.float32, device=dev), persistent=False)
         self.kernels: HeadKernels | None = None  # decode-time matmuls (`use_kernels`); None: the modules
 
@@ -234,6 +241,14 @@ class EagleHead(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq  # [..., T, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, hd]
         return (emb.cos() * self.cfg.rope_scaling).to(dtype), (emb.sin() * self.cfg.rope_scaling).to(dtype)
+
+    def fc_input(self, features: torch.Tensor) -> torch.Tensor:
+        """What `fc` reads: the target's features [..., 3D], RMS-normed first where `norm_before_fc`."""
+        return rms_norm(features, self.input_norm, self.cfg.eps) if self.cfg.norm_before_fc else features
+
+    def residual(self, feat: torch.Tensor) -> torch.Tensor:
+        """The layer's residual stream from its feature h [..., D]: h, or hidden_norm(h) where `norm_before_residual`."""
+        return rms_norm(feat, self.hidden_norm, self.cfg.eps) if self.cfg.norm_before_residual else feat
 
     def layer_input(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """What q/k/v read: cat(input_layernorm(embedding of tokens [..., T]), hidden_norm(feat [..., T, D])) [..., T, 2D]."""
@@ -273,7 +288,8 @@ class EagleHead(nn.Module):
     @torch.inference_mode()
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """`fc` at decode time: the target's features [r, 3D] -> the head's h [r, D]."""
-        return self.fc(features) if self.kernels is None else self.kernels("fc", features)
+        x = self.fc_input(features)  # [r, 3D]
+        return self.fc(x) if self.kernels is None else self.kernels("fc", x)
 
     # ------------------------------------------------------------------ training (TTT)
 
@@ -285,7 +301,7 @@ class EagleHead(nn.Module):
         B, T, _ = feats3.shape
         pos = torch.arange(T, device=feats3.device).expand(B, T)
         cos, sin = self.rope(pos, feats3.dtype)
-        feat = self.fc(feats3)  # [B, T, D]
+        feat = self.fc(self.fc_input(feats3))  # [B, T, D]
         keys, values, outs = [], [], []
         for j in range(1, steps + 1):
             if j > 1:  # the parent's output at t-1 is the feature of a depth-j node at t
@@ -293,7 +309,7 @@ class EagleHead(nn.Module):
             q, k, v = self.qkv(self.layer_input(next_tokens, feat), cos, sin)
             keys.append(k)
             values.append(v)
-            outs.append(self.finish(feat, ttt_attention(q, keys, values)))
+            outs.append(self.finish(self.residual(feat), ttt_attention(q, keys, values)))
         return [self.logits(o) for o in outs] if logits else outs
 
     # ------------------------------------------------------------------ inference
@@ -305,7 +321,7 @@ class EagleHead(nn.Module):
         Returns (layer outputs [m, D], draft logits [m, V'] or None without `with_logits`)."""
         m = tokens.shape[0]
         kern = self.kernels
-        x = feat[None]  # [1, m, D] the residual stream
+        x = self.residual(feat)[None]  # [1, m, D] the residual stream
         cos, sin = self.rope(positions[None], x.dtype)
         q, k, v = self.qkv(self.layer_input(tokens, feat)[None], cos, sin, kern)
         keys[:, :, start : start + m] = k

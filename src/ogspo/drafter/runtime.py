@@ -19,7 +19,7 @@ from ogspo.engine.drafters import Expansion, Observation, TreeDrafter, accepted_
 from ogspo.engine.target import ForwardOut, KVCache
 from ogspo.engine.tree import DraftTree
 
-from .eagle3 import CONFIG, WEIGHTS, is_eagle3_folder, load_eagle3
+from .eagle3 import CONFIG, WEIGHTS, is_eagle3_folder, load_eagle3, weights_file
 from .head import EagleHead
 
 META = "drafter.json"  # ogspo's provenance beside the EAGLE-3 files: target checksum, recipe, metrics
@@ -30,7 +30,7 @@ def head_id(path: Path) -> str:
     latency tables and policies name the drafter by it, so a retrained head in the same folder is a
     different drafter (its records are recollected, not reused)."""
     digest = hashlib.sha256()
-    with open(Path(path) / WEIGHTS, "rb") as fh:
+    with open(weights_file(path), "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return f"{Path(path).name}-{digest.hexdigest()[:12]}"
@@ -43,7 +43,7 @@ def load_head(path: Path, *, target_model, target_checksum: str | None = None) -
     `meta["id"]` is `head_id(path)`."""
     path = Path(path)
     if not is_eagle3_folder(path):
-        raise FileNotFoundError(f"drafter folder {path} lacks {CONFIG} or {WEIGHTS} of an EAGLE-3 head "
+        raise FileNotFoundError(f"drafter folder {path} lacks {CONFIG} or {WEIGHTS} (or pytorch_model.bin) of an EAGLE-3 head "
                                 "(run the train_drafter stage, or give a published EAGLE-3 head's folder)")
     meta = json.loads((path / META).read_text()) if (path / META).is_file() else {"kind": "eagle3-head", "published": True}
     trained_for = meta.get("target_checksum")

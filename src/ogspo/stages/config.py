@@ -156,9 +156,11 @@ def _check_jsonl(cfg: Mapping) -> None:
 def _check_head_path(cfg: Mapping) -> None:
     """A given draft head is a folder in EAGLE-3's format (its fit to the target is checked when it loads)."""
     path = (cfg.get("drafter") or {}).get("path")
-    if path and not all((Path(path).expanduser() / f).is_file() for f in ("config.json", "model.safetensors")):
+    folder = Path(path).expanduser() if path else None
+    if folder and not ((folder / "config.json").is_file()
+                       and any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin"))):
         raise ConfigError(f"config error at 'drafter.path': {path} is not an EAGLE-3 head folder (config.json and "
-                          "model.safetensors inside); give one, or null to train the head")
+                          "model.safetensors or pytorch_model.bin inside); give one, or null to train the head")
 
 
 def _check_fortunes(cfg: Mapping) -> None:
