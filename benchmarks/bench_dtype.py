@@ -8,7 +8,7 @@ the tuned EAGLE-3 trees, Sequoia's tree and the OGSPO policy) and a CPU with the
 bfloat16; else rounded to it) and as fp32 (those bf16 values widened, exact: the same model, fp32
 arithmetic and bytes), each with its own kernel table (calibrated, cached per machine) and the
 head on that table in that dtype. Per eval request slot the two dtypes run in a mirrored seeded
-order (`stages.evaluate.slot_order`), each through `stages.evaluate.evaluate_methods` with `ar`
+order (`methods.harness.slot_order`), each through `stages.evaluate.evaluate_methods` with `ar`
 and the DAG's best method for the workload (fastest speculative method at T=0 in
 evaluate/summary.json, picked before this run): complete-request throughput, paired ratios with
 95% bootstrap intervals (`analysis.compare`), and whether each dtype's tokens equal its own AR.

@@ -7,7 +7,7 @@ records on the calib prompts (`stages.collect_records.collect_records`, both tem
 from them (`stages.build_sequoia.build_sequoia`, with the run's latency.json), and the EAGLE-3 grid tuned
 with Sequoia beside it (`stages.tune_eagle.tune_eagle`). Then, on the eval prompts, autoregressive decoding
 and every head's tuned EAGLE-3 tree and Sequoia tree, in mirrored seeded orders per pair of prompts
-(`stages.evaluate.slot_order`), every request the same length: the paired per-request ratio of the
+(`methods.harness.slot_order`), every request the same length: the paired per-request ratio of the
 second head to the first for each baseline, with 95% bootstrap intervals (`analysis.compare`), and the
 tuned trees side by side. Records, trees and tunings land in --out and are reused when present.
 """

@@ -13,9 +13,9 @@ test`: the first run compiles llama.cpp for minutes and builds the converter's o
    template, no BOS added), the same number of new tokens with EOS ignored, T=0, the same thread
    count. llama.cpp AR in f32, bf16 and Q4_1 and its n-gram lookup decoding (f32) through
    `llama-server` (started per request and stopped again, so no two thread pools ever run at once);
-   ogspo's AR and its speculative methods in the run's target dtype (`dtype`, bf16 where `auto` chose it) in this process.
-   Per request
-   slot the methods run in a mirrored seeded order (`stages.evaluate.slot_order`); every slot is
+   ogspo's AR and its speculative methods in the run's target dtype (`dtype`, bf16 where `auto` chose it)
+   in this process. Per request slot the methods run in a mirrored seeded order
+   (`methods.harness.slot_order`); every slot is
    repeated. Complete-request throughput (prompt + decode, each program's own clock), paired ratios
    with 95% bootstrap intervals (`analysis.compare`), and at T=0 whether llama.cpp's tokens equal
    ogspo's AR tokens and where they first diverge. "EOS ignored" differs in one respect: llama.cpp's
