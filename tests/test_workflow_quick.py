@@ -44,6 +44,11 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
             for key in ("throughput", "tau", "speedup", "vs_eagle_tuned", "predicted_throughput", "time_split"):
                 assert row[key] is not None, (row["method"], key)
         assert (out / "report" / "report.md").is_file() and (out / "report" / "throughput.png").is_file()
+        # the trees as the serving engines' settings (rule export_tree): every vLLM entry exact or with an exact one beside it
+        trees = json.loads((out / "export" / "trees.json").read_text())
+        assert set(trees["temperatures"]) == {"T0", "T1"} and trees["vllm_notes"]
+        for entry in (e for tag in trees["temperatures"].values() for e in tag.get("ogspo", {}).values()):
+            assert entry["vllm"]["exact"] or entry["vllm"]["uniform"]["exact"]
         # intervals against the best baseline, pooled and per cell; the A/A check; the records' bound
         comp = summary["comparisons"]["ogspo"]
         assert comp["vs_best"]["pooled"]["low"] <= comp["vs_best"]["pooled"]["ratio"] <= comp["vs_best"]["pooled"]["high"]
