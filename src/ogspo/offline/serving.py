@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ast
 
+import numpy as np
+
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.engine.tree import Structure
 from ogspo.offline.replay import replay, replay_dynamic
@@ -44,7 +46,7 @@ def vllm_children(structure: Structure) -> list[int] | None:
 def vllm_settings(structure: Structure) -> dict:
     """vLLM's `speculative_config` entries for the tree `structure` (empty: no speculation)."""
     if len(structure) == 0:
-        return {"speculation": False, "exact": True}
+        return {"speculation": False}
     paths = [tuple(p) for p in structure.to_list()]  # breadth-first, as vLLM sorts it
     return {"speculation": True, "num_speculative_tokens": len(paths), "speculative_token_tree": str(paths)}
 
@@ -67,7 +69,7 @@ def largest_uniform_inside(structure: Structure) -> list[int]:
     """Children per level of the largest per-level-uniform tree contained in `structure`."""
     paths, children, level = set(structure.paths), [], [()]
     while True:
-        c = min(sum(1 for r in range(len(paths)) if p + (r,) in paths) for p in level)
+        c = min(next(r for r in range(len(paths) + 1) if p + (r,) not in paths) for p in level)  # children: ranks 0..c-1
         if c == 0:
             return children
         children.append(c)
@@ -94,13 +96,13 @@ def uniform_candidates(template: Structure, max_nodes: int = 128) -> list[list[i
 def best_uniform(records: list, model: LatencyModel) -> dict:
     """The per-level-uniform tree with the highest tokens/s on `records` ((`ReplayCycles`, cum log q) per
     records folder) under `model`, against AR; {"speculation": false} where none beats AR."""
-    ar = replay_tps(Structure([]), records, model)
-    scored = [(replay_tps(Structure.full(c), records, model), c) for c in uniform_candidates(records[0][0].template)]
-    best_tps, best = max(scored, key=lambda x: x[0]) if scored else (0.0, [])
+    cands = uniform_candidates(records[0][0].template)
+    ar, *tps = replay_tps([Structure([]), *(Structure.full(c) for c in cands)], records, model)
+    best_tps, best = max(zip(tps, cands), key=lambda x: x[0]) if cands else (0.0, [])
     if best_tps <= ar:
         return {"speculation": False, "exact": True, "chosen": "on the records: no uniform tree beats AR",
                 "replayed_tokens_per_second": ar}
-    return {"children_per_level": best, "chosen": f"on the records: the best of {len(scored)} uniform trees",
+    return {"children_per_level": best, "chosen": f"on the records: the best of {len(cands)} uniform trees",
             **vllm_settings(Structure.full(best)), "exact": True, "replayed_tokens_per_second": best_tps,
             "ar_tokens_per_second": ar}
 
@@ -133,39 +135,37 @@ def sglang_nearest(structure: Structure) -> dict:
         "exact": False, "why": "SGLang drafts dynamic trees (top-k per level, reranked), not a given static tree"}
 
 
-def replay_tps(structure: Structure, records: list, model: LatencyModel) -> float:
-    """Tokens/s of the static tree `structure`, verified whole every cycle, on `records` under `model`."""
-    acc = sec = 0.0
+def replay_tps(structures: list[Structure], records: list, model: LatencyModel) -> list[float]:
+    """Tokens/s of each static tree, verified whole every cycle, on `records` under `model`: one replay of all
+    of them per records folder."""
+    depths = [s.max_depth if len(s) else 0 for s in structures]
+    acc = np.zeros(len(structures))
+    sec = np.zeros(len(structures))
     for cyc, _ in records:
-        r = replay(cycles=cyc, structures=[structure], depths=[structure.max_depth if len(structure) else 0], model=model)
-        acc, sec = acc + float(r.accepted.sum()), sec + float(r.seconds.sum())
-    return acc / sec
+        r = replay(cycles=cyc, structures=structures, depths=depths, model=model)  # [K, C] each
+        acc += r.accepted.sum(axis=1)
+        sec += r.seconds.sum(axis=1)
+    return (acc / sec).tolist()
 
 
 def replayed(structure: Structure, records: list, model: LatencyModel) -> dict:
     """Tokens/s on `records` ((`ReplayCycles`, `template_cum_logq`) per records folder) of `structure`,
     of its nearest SGLang tree and of AR."""
-    acc = {"structure": 0.0, "ar": 0.0, "sglang": 0.0}
-    sec = dict.fromkeys(acc, 0.0)
+    own, ar = replay_tps([structure, Structure([])], records, model)
     near = sglang_nearest(structure)
+    acc = sec = 0.0
     why = None
     for cyc, cum in records:
-        for key, s in (("structure", structure), ("ar", Structure([]))):
-            r = replay(cycles=cyc, structures=[s], depths=[s.max_depth if len(s) else 0], model=model)
-            acc[key] += float(r.accepted.sum())
-            sec[key] += float(r.seconds.sum())
         if near.get("speculation") and why is None:
             try:
                 r = replay_dynamic(cycles=cyc, cum_logq=cum, total_tokens=len(structure),
                                    depth=near["speculative_num_steps"], top_k=near["speculative_eagle_topk"], model=model)
-                acc["sglang"] += float(r.accepted.sum())
-                sec["sglang"] += float(r.seconds.sum())
+                acc, sec = acc + float(r.accepted.sum()), sec + float(r.seconds.sum())
             except ValueError as exc:
                 why = str(exc)
-    out = {"tokens_per_second": acc["structure"] / sec["structure"], "ar_tokens_per_second": acc["ar"] / sec["ar"],
-           "cycles": int(sum(len(cyc.paths) for cyc, _ in records))}
+    out = {"tokens_per_second": own, "ar_tokens_per_second": ar, "cycles": int(sum(len(cyc.paths) for cyc, _ in records))}
     if near.get("speculation"):
-        out["sglang_nearest_tokens_per_second"] = None if why else acc["sglang"] / sec["sglang"]
+        out["sglang_nearest_tokens_per_second"] = None if why else acc / sec
         if why:
             out["sglang_not_replayed"] = why
     return out
