@@ -271,14 +271,14 @@ def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
     L += [
         "",
         f"**Floors of this device:** read bandwidth {roof['bandwidth_gbs']:.1f} GB/s (median sum of a 1 GiB fp32 tensor); a "
-        f"forward reads "
+        "forward reads "
         f"{roof['matmul_params'] / 1e6:.0f}M matmul weights ({4 * roof['matmul_params'] / 1e6:.0f} MB in fp32, "
         f"{2 * roof['matmul_params'] / 1e6:.0f} MB in bf16) "
         f"plus the fp32 KV cache: 1-row floor {1e3 * floors['fp32'](1):.1f} ms fp32"
         + (f", {1e3 * floors['bf16'](1):.1f} ms bf16." if "bf16" in tables else "."),
         "",
         f"**One target forward over a tree of n nodes on a {args.context}-token cache (ms, median of {args.reps * 3}), each "
-        f"dtype on its kernel table; "
+        "dtype on its kernel table; "
         "transformers (fp32) as is:**",
         "",
         "| n | " + " | ".join(f"{k} ms | {k} / {k}(1) | {k} / floor" for k in tables)
@@ -306,13 +306,13 @@ def render(args, roof, tables, ar, ver, head_t, heads, methods) -> str:
     for k, table in tables.items():
         L += ["",
               f"**Kernel table, {k}** ({table.key['model']}, {table.key['threads']} threads; {table.meta.get('seconds', '?')} s "
-              f"of timing; "
+              "of timing; "
               "`kernel->m` = padded to m rows):", "", "```", describe(table), "```"]
     for k, rows in methods.items():
         L += [
             "",
             f"**Speculative methods, {k} target, {args.tokens} new tokens (complete-request tokens/s, tau with bonus, share of "
-            f"cycle time outside model forwards):**",
+            "cycle time outside model forwards):**",
             "",
             "| method | tokens/s | speedup vs ar | tau | outside forwards |",
             "|---|---:|---:|---:|---:|",

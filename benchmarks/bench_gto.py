@@ -162,13 +162,13 @@ def main() -> int:
         f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()}), torch "
         f"{torch.__version__}",
         f"- reproduce: `{cmd.strip()}` (after `make run` has trained the base head and cached its data)",
-        f"- decoding with the kernel table "
+        "- decoding with the kernel table "
         f"{args.kernels.relative_to(REPO) if args.kernels.is_relative_to(REPO) else args.kernels}",
         f"- base head: {metas['base']['train']['steps']} steps; held-out TTT top-1 "
         f"{[round(a, 3) for a in metas['base']['metrics']['val_top1']]}",
         f"- fine-tuning from it, {gcfg['steps']} steps each, lr {gcfg['lr']}, token batch {gcfg['batch_size']} windows, "
         f"{gcfg['groups']} group(s) of m = {gcfg['group']} positions per step, trees {gcfg['tree']} [total_tokens, depth, "
-        f"top_k], "
+        "top_k], "
         f"eps {gcfg['eps']}, delta {gcfg['delta']}, eta {gcfg['eta']}:",
         f"  - GTO (omega {gcfg['omega']}): {g['gto']['seconds'] / 60:.1f} min; held-out Draft Tree Reward "
         f"{g['gto']['reward_before']:.3f} -> {g['gto']['reward_after']:.3f}, greedy-accepted tokens per tree "
@@ -198,7 +198,7 @@ def main() -> int:
         lines.append(f"| {temp:g} | **all** | | | | **{fmt(summary[temp][0])}** | {fmt(summary[temp][1])} |")
     lines += [] if args.tau_only else ["",
                                        f"Tuned EAGLE-3 per head (grid {grid} on {args.tune_prompts} calib prompts per workload), "
-                                       f"then on the eval "
+                                       "then on the eval "
               f"prompts beside autoregressive decoding, interleaved; {speed_s / 60:.1f} min. Median tokens/s and mean "
               "per-request throughput ratio [95%]:", "",
               "| T | workload | tuned tree base | tuned tree GTO | ar | base | GTO | GTO / base |",

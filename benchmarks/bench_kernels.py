@@ -101,7 +101,7 @@ def main() -> int:
         f"{torch.__version__}",
         f"- reproduce: `{cmd.strip()}` (after `make run`)",
         f"- {args.prompts} eval prompts per workload x {args.tokens} new tokens; AR and {len(trees)} EAGLE-3 trees under both "
-        f"tables, "
+        "tables, "
         "interleaved in rotated order per request; speedup = median per-prompt throughput ratio to the faster AR decoder "
         "of the two, [95% bootstrap interval]; fastest tree chosen on these prompts for each table",
         "",

@@ -385,7 +385,7 @@ def render(df: pl.DataFrame, bench, best: dict, *, special: set[int], args, bin_
         ar = c["ar_tokens_per_second"]
         lines.append(f"| {f} | {w} | {c['n_max'] or 'off'} | {c['p_min']:g} | {c['tokens_per_second'] / ar:.3f} | "
                      f"{c['default_tokens_per_second'] / ar:.3f} | {c['acceptance']:.2f} | {real(f'llama.cpp-eagle3-ogspo-{f}')} "
-                     f"| "
+                     "| "
                      f"{c['default_acceptance']:.2f} | {real(f'llama.cpp-eagle3-{f}')} |")
     lines += ["", "T=0 tokens of llama.cpp with the head against llama.cpp AR on the same file and slot; at a divergence, "
               "AR's log-probability margin between its two best candidates there and whether the head run's token is "

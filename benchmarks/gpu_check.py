@@ -109,7 +109,7 @@ def check_lossless(device: torch.device, n: int = 30) -> list[str]:
         if a.tokens != b.tokens:
             raise AssertionError(f"T=1 decoding with one seed is not reproducible on {device}")
     rows.append(f"| fp32 T=0: 3 policies x 2 drafters x {len(PROMPTS)} prompts vs transformers greedy | {checked}/{checked} "
-                f"identical |")
+                "identical |")
     rows.append("| fp32 T=1: dynamic tree, same seed twice | identical |")
     bf = tiny_llama(0, dtype=torch.bfloat16, device=device)
     bt = LlamaTreeLM(bf, max_len=256)

@@ -65,7 +65,7 @@ def _from_numpy(array):
     where = _caller_in_ogspo()
     if where is not None:
         raise AssertionError(f"{where}: torch.from_numpy makes a CPU tensor whatever the device; use torch.as_tensor(x, "
-                             f"device=...)")
+                             "device=...)")
     return FROM_NUMPY(array)
 
 

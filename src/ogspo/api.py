@@ -56,7 +56,7 @@ class Decoder:
         self.policy = make_policy(method, policy_device=device, **policy_args)  # validated before the model loads
         if self.policy.max_nodes > 1 and drafter is None:
             raise ValueError(f"policy '{self.policy.name}' drafts a tree and needs a drafter ({', '.join(DRAFTERS[1:])} or a "
-                             f"head folder)")
+                             "head folder)")
         self.model, self.tokenizer = load_target(Path(model), dtype=dtype, device=device)
         self.drafter = None
         if drafter is not None:

@@ -271,7 +271,7 @@ def latency_check(rows: list[dict]) -> dict:
 def render_latency_check(check: dict) -> list[str]:
     if not check:
         return []
-    lines = [f"### Latency model against realised requests (median predicted / realised per cell; band "
+    lines = ["### Latency model against realised requests (median predicted / realised per cell; band "
              f"{LATENCY_BAND[0]:.2f}-{LATENCY_BAND[1]:.2f})", ""]
     for m, c in check.items():
         vals = list(c["cells"].values())

@@ -171,7 +171,7 @@ class LatencyModel:
             raise ValueError(f"{src}: table lengths do not match their axes")
         if model.drift_elasticity and len(model.drift_elasticity) != len(model.sizes):
             raise ValueError(f"{src}: drift_elasticity has {len(model.drift_elasticity)} values for {len(model.sizes)} table "
-                             f"sizes")
+                             "sizes")
         if not model.probe_level > 0:
             raise ValueError(f"{src}: probe_level must be > 0, got {model.probe_level}")
         got_model, got_drafter = model.meta.get("model_checksum"), model.meta.get("drafter")

@@ -137,7 +137,7 @@ def load_records(
             raise ValueError(f"no records shards in {path}")
         if len(node_only) != len(cycle_files):
             raise ValueError(f"records folder {path} has an incomplete shard ({len(node_only)} node files, {len(cycle_files)} "
-                             f"cycle files)")
+                             "cycle files)")
     elif path.is_file():
         cycle_files = [path]
     else:

@@ -199,12 +199,12 @@ class KernelTable:
         for c, ks in t.choice.items():
             if c not in (*CLASSES, LAYER_OPS) or len(ks) != len(t.rows) or len(t.pad_to.get(c, [])) != len(t.rows):
                 raise ValueError(f"kernel table: class '{c}' must be one of {', '.join(CLASSES)}, {LAYER_OPS} with one entry per "
-                                 f"row count")
+                                 "row count")
             allowed = (TORCH,) if c == LAYER_OPS else BASE_KERNELS
             bad = set(ks) - set(allowed) - set(native_kernels(64))
             if bad:
                 raise ValueError(f"kernel table: unknown kernel(s) {sorted(bad)} for '{c}'; allowed: {', '.join(allowed)}, "
-                                 f"native<threads>")
+                                 "native<threads>")
         return t
 
 

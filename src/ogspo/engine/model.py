@@ -98,7 +98,7 @@ def choose_dtype(model, reps: int = 7, device: str = "cpu") -> dict:
     if refusal is not None:
         return {"dtype": "float32", "why": BF16_NEEDS_FAST_PATH.format(refusal)}
     if not native.bf16_available():
-        why = native.unavailable_reason() or (f"no native bf16 kernel here (no avx512_bf16 in the CPU flags, "
+        why = native.unavailable_reason() or ("no native bf16 kernel here (no avx512_bf16 in the CPU flags, "
                                               f"or ${native.NO_BF16} set)")
         return {"dtype": "float32", "why": why}
     weights = [p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]

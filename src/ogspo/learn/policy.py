@@ -273,7 +273,7 @@ class PolicyEvaluation:
             f"| OGSPO policy | {self.throughput:.3f} | {self.throughput / self.best_fixed_throughput:.3f}x |",
             f"| best fixed depth ({self.best_fixed_depth}) | {self.best_fixed_throughput:.3f} | 1.000x |",
             f"| posterior bound (same S) | {self.posterior_bound:.3f} | {self.posterior_bound / self.best_fixed_throughput:.3f}x "
-            f"|",
+            "|",
         ]
         if self.oracle_throughput is not None:
             lines.append(f"| oracle (solve.py) | {self.oracle_throughput:.3f} | "

@@ -162,7 +162,7 @@ def expected_accepted(S: Structure, probs: np.ndarray) -> float:
     for p in S.paths:
         if len(p) > probs.shape[0] or max(p) >= probs.shape[1]:
             raise ValueError(f"node {list(p)} lies outside the acceptance table ({probs.shape[0]} depths x {probs.shape[1]} "
-                             f"ranks)")
+                             "ranks)")
         total += float(np.prod([probs[l, r] for l, r in enumerate(p)]))
     return total
 

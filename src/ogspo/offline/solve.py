@@ -459,7 +459,7 @@ def _checked_template_info(cycles: ReplayCycles, template: Structure | None):
     """The records' template info, after checking it is the template the caller expects."""
     if template is not None and template.paths != cycles.template.paths:
         raise ValueError(f"records template ({len(cycles.template)} nodes) differs from the given template ({len(template)} "
-                         f"nodes)")
+                         "nodes)")
     return template_info(cycles.template)
 
 

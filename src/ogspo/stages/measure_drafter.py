@@ -242,6 +242,6 @@ def render_markdown(result: MeasureResult) -> str:
     for head, by_w in result.vocab_coverage.items():
         lines.append(f"Draft vocabulary of head {head} on the T=0 continuations: " + "; ".join(
             f"{w} {c['mass']:.3f} of the target's next-token mass, {c['top1']:.3f} of its greedy tokens ({c['positions']} "
-            f"positions)"
+            "positions)"
             for w, c in by_w.items()))
     return "\n".join(lines)
