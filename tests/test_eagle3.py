@@ -199,3 +199,20 @@ def test_feature_layers_written_twice_must_agree(tmp_path):
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids \[1, 2, 3\] and eagle_config's \[1, 2, 3\]") as err:
         load_head(tmp_path / "head", target_model=target)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.integration
+def test_llamacpps_converter_reads_the_feature_layers_ogspo_writes(tmp_path, smollm2_dir):
+    """llama.cpp's own `convert_hf_to_gguf.py` (the pinned source of benchmarks/llamacpp.py, fetched from
+    PyPI once into ~/.cache/ogspo/peers) on a head with non-default feature layers, written for SmolLM2:
+    the GGUF's target layers are the top-level ids ogspo writes; SGLang's copy is each id minus one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from check_llamacpp_head import converted_target_layers
+
+    got, written = converted_target_layers(smollm2_dir, tmp_path, python=Path(sys.executable))
+    n = json.loads((smollm2_dir / "config.json").read_text())["num_hidden_layers"]
+    assert got == written["eagle_aux_hidden_state_layer_ids"] == [2, n // 3 + 1, n - 4]  # outputs of 1, n/3, n-5
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [j - 1 for j in got]

@@ -31,6 +31,7 @@ from ogspo.engine.kernels import KernelTable
 from ogspo.engine.native import cache_root
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm, fast_path_refusal
 
+from .budget import READ, WRITE, DataBudget, budget_steps
 from .corpus import NearDuplicateIndex, TrainText, decontaminate, held_out_texts
 from .data import (
     BulkPlan,
@@ -104,6 +105,7 @@ class DataStats:
     sharegpt: dict  # what the ShareGPT file held and what was picked or dropped
     skipped: list[str]  # parts of the recipe this target cannot run, and why
     cached: bool
+    budget: dict  # the blocks of the recipe taken within the data's budget (`DataBudget.describe`)
 
 
 def _cached(path: Path, build):
@@ -129,15 +131,20 @@ def recipe_for_target(cfg: dict, model_config) -> tuple[dict, list[str]]:
 
 
 def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, fortunes_dir: Path | None, cfg: dict,
-               head_cfg: HeadConfig, seed: int, kernels: KernelTable | None = None) -> tuple[list[Sequence], DataStats]:
+               head_cfg: HeadConfig, seed: int, kernels: KernelTable | None = None,
+               budget: DataBudget | None = None) -> tuple[list[Sequence], DataStats]:
     """The head's training sequences, annotated with the target's features and next-token
     distributions: the target's greedy (and `sampled` T=1) continuations of every training prompt
     (workload train splits, ShareGPT user turns, corpora, its own requests), then text read as it
     stands (ShareGPT conversations, standard-library source). Every prompt and text near an eval or
-    calib prompt of any workload is dropped first. Built once per content hash in `data_cache_dir(cfg)`;
-    the target runs on the engine, with the device's kernel table (`kernels`) or torch's reference
-    kernels, whichever `plan_bulk` measures cheaper for writing and for reading."""
+    calib prompt of any workload is dropped first. The prompts are written in blocks of `gen_batch` of
+    similar length, in an order shuffled by the seed, the text read in blocks of `TEXT_BLOCK`: `budget`
+    (a `DataBudget`) takes a prefix of each (None: all of them). Each block is built once per content hash in
+    `data_cache_dir(cfg)`, with the seconds it took; the target runs on the engine, with the device's
+    kernel table (`kernels`) or torch's reference kernels, whichever `plan_bulk` measures cheaper for
+    writing and for reading."""
     cache = data_cache_dir(cfg)
+    budget = budget or DataBudget(seconds=None)
     lms: dict[int, TreeLM] = {}  # by id of the kernel table it runs (None: the reference kernels)
     cfg, skipped = recipe_for_target(cfg, model.config)
     bulk: BulkPlan | None = None
@@ -173,34 +180,61 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
                        "texts": len(sg_texts), "requests": len(sg_requests), "dropped": sg_dropped}
     requests: list[str] = []
     if cfg["self_instruct"]:
-        key = _hash({"v": 1, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"],
+        key = _hash({"v": 2, "target": target_checksum, "n": cfg["self_instruct"], "max": cfg["instruct_max_tokens"],
                      "seed": seed})
-        requests, _ = _cached(cache / f"requests-{key}.pt", lambda: self_instructions(
-            target_lm(512, writes=True), tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"],
-            batch=cfg["gen_batch"],
-            seed=seed + 1000))
+
+        def instruct():
+            lm = target_lm(512, writes=True)
+            t = time.perf_counter()
+            written = self_instructions(lm, tokenizer, n=cfg["self_instruct"], max_tokens=cfg["instruct_max_tokens"],
+                                        batch=cfg["gen_batch"], seed=seed + 1000)
+            return {"requests": written, "seconds": time.perf_counter() - t}
+
+        made, _ = _cached(cache / f"requests-{key}.pt", instruct)
+        requests = made["requests"]
+        budget.spend(WRITE, 0, made["seconds"])  # the budget's time, not its rate: requests are not answers
         texts += [TrainText("self-instruct", r, render_chat(tokenizer, r)) for r in requests]
     texts, near_held, repeats = decontaminate(texts, held_out)
     prompts = [tokenizer(t.prompt, add_special_tokens=False).input_ids for t in texts]
 
-    recipe = {k: cfg[k] for k in ("max_new_tokens", "top_k", "sampled")} | {"v": 6, "target": target_checksum,
+    recipe = {k: cfg[k] for k in ("max_new_tokens", "top_k", "sampled")} | {"v": 7, "target": target_checksum,
                                                                             "layers": head_cfg.feature_layers}
-    gen_key = _hash(recipe | {"prompts": _hash(prompts)})
 
-    def generate():
-        rows = max(cfg["gen_rows"], max(len(p) for p in prompts) + cfg["max_new_tokens"])
-        lm = target_lm(rows, writes=True)
+    def generate(block: list[list[int]]) -> dict:
+        """The target's continuations of one block of prompts (greedy, then `sampled` T=1 passes)."""
+        lm = target_lm(max(cfg["gen_rows"], max(len(p) for p in block) + cfg["max_new_tokens"]), writes=True)
+        t = time.perf_counter()
         kw = dict(max_new_tokens=cfg["max_new_tokens"], top_k=cfg["top_k"], eos_token_id=tokenizer.eos_token_id)
         if not isinstance(lm, LlamaTreeLM):
-            return generate_annotated(lm, prompts, pack=cfg["gen_batch"], **kw)
-        data = generate_batched(lm, prompts, batch=cfg["gen_batch"], **kw)
-        for k in range(cfg["sampled"]):
-            data += generate_batched(lm, prompts, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
-        return data
+            seqs = generate_annotated(lm, block, pack=cfg["gen_batch"], **kw)
+        else:
+            seqs = generate_batched(lm, block, batch=cfg["gen_batch"], **kw)
+            for k in range(cfg["sampled"]):
+                seqs += generate_batched(lm, block, batch=cfg["gen_batch"], temperature=1.0, seed=seed + 1 + k, **kw)
+        return {"seqs": seqs, "seconds": time.perf_counter() - t}
 
-    t0 = time.perf_counter()
-    data, gen_cached = _cached(cache / f"generated-{gen_key}.pt", generate)
-    gen_s = time.perf_counter() - t0
+    # blocks of gen_batch prompts of similar length (little padding), taken in an order shuffled by the seed
+    by_length = np.argsort([len(p) for p in prompts], kind="stable").tolist()
+    blocks = [by_length[a : a + cfg["gen_batch"]] for a in range(0, len(prompts), cfg["gen_batch"])]
+    data, generated, gen_new, gen_s, by_source = [], 0, 0, 0.0, {}
+    for b in np.random.default_rng(seed).permutation(len(blocks)).tolist():
+        block = blocks[b]
+        if not budget.admit("generated", WRITE, len(block)):
+            continue
+        ids = [prompts[i] for i in block]
+        part, was_cached = _cached(cache / f"generated-{_hash(recipe | {'prompts': _hash(ids)})}.pt", lambda: generate(ids))
+        budget.spend(WRITE, len(block), part["seconds"])
+        written = 0
+        for k, s in enumerate(part["seqs"]):  # generate_batched keeps the prompts' order, once per sampled pass
+            i = block[k % len(block)]
+            s.source = "answered" if texts[i].source == "sharegpt/answer" else "generated"
+            written += len(s.tokens) - len(prompts[i])
+        for i in block:
+            by_source[texts[i].source] = by_source.get(texts[i].source, 0) + 1
+        generated += written
+        gen_new += 0 if was_cached else written
+        gen_s += 0.0 if was_cached else part["seconds"]
+        data += part["seqs"]
 
     # text read as it stands, by source: ShareGPT conversations (cut to sharegpt.max_tokens), standard-library
     # chunks, whole fortunes; each source in blocks of TEXT_BLOCK texts, so a larger sample reuses a smaller one's blocks
@@ -216,40 +250,40 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
                                       held_out=held_index) if cfg["fortune_tokens"] else [],
     }
 
-    def read_text(block: list[list[int]]) -> list[Sequence]:
+    def read_text(block: list[list[int]]) -> dict:
         lm = target_lm(max(len(s) for s in block), writes=False)  # plans the bulk forwards first
-        return annotate_text(lm, block, top_k=cfg["top_k"], rows=bulk.read_rows)
+        t = time.perf_counter()
+        seqs = annotate_text(lm, block, top_k=cfg["top_k"], rows=bulk.read_rows)
+        return {"seqs": seqs, "seconds": time.perf_counter() - t}
 
-    t0 = time.perf_counter()
-    annotated, ann_built = [], 0
+    annotated, ann_built, ann_s = [], 0, 0.0
     for source, ids in text_sources.items():
         for a in range(0, len(ids), TEXT_BLOCK):
             block = ids[a : a + TEXT_BLOCK]
-            key = _hash({"v": 3, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"],
+            units = sum(len(s) for s in block)
+            if not budget.admit(source, READ, units):
+                continue
+            key = _hash({"v": 4, "target": target_checksum, "layers": head_cfg.feature_layers, "top_k": cfg["top_k"],
                          "ids": _hash(block)})
             part, was_cached = _cached(cache / f"text-{key}.pt", lambda: read_text(block))
-            for s in part:
+            budget.spend(READ, units, part["seconds"])
+            for s in part["seqs"]:
                 s.source = source
-            annotated += part
-            ann_built += 0 if was_cached else sum(len(s) for s in block)
-    ann_s = time.perf_counter() - t0
-    for i, s in enumerate(data):  # generate_batched keeps the prompts' order, once per sampled pass
-        s.source = "answered" if texts[i % len(texts)].source == "sharegpt/answer" else "generated"
+            annotated += part["seqs"]
+            ann_built += 0 if was_cached else units
+            ann_s += 0.0 if was_cached else part["seconds"]
 
     seqs = data + annotated
-    by_source: dict[str, int] = {}
-    for t in texts + sg_texts:
-        by_source[t.source] = by_source.get(t.source, 0) + 1
-    generated = int(sum(len(s.tokens) - len(prompts[i % len(prompts)]) for i, s in enumerate(data)))
+    if sg_texts:
+        by_source["sharegpt/text"] = sum(s.source == "sharegpt" for s in annotated)  # conversations read
     ann_tokens = int(sum(len(s.tokens) for s in annotated))
     stats = DataStats(prompts=by_source, near_held_out=near_held, repeats=repeats, self_instructions=len(requests),
                       generated_tokens=generated, annotated_tokens=ann_tokens, tokens=int(sum(len(s.tokens) for s in seqs)),
-                      generation_seconds=0.0 if gen_cached else gen_s,
-                      generation_tokens_per_second=0.0 if gen_cached or not generated else generated / gen_s,
+                      generation_seconds=gen_s, generation_tokens_per_second=gen_new / gen_s if gen_s else 0.0,
                       annotation_seconds=ann_s if ann_built else 0.0,
                       annotation_tokens_per_second=ann_built / ann_s if ann_built else 0.0,
                       annotate_rows=bulk.read_rows if bulk else 0, bulk=bulk.describe() if bulk else {}, sharegpt=sg_info,
-                      skipped=skipped, cached=gen_cached and not ann_built)
+                      skipped=skipped, cached=not gen_s and not ann_built, budget=budget.describe())
     return seqs, stats
 
 
@@ -403,24 +437,35 @@ def step_seconds(head: EagleHead, batch, cfg: dict, dtype: torch.dtype) -> float
     return time.perf_counter() - t0
 
 
-def choose_train_dtype(head: EagleHead, batch, cfg: dict, reps: int = 2) -> tuple[torch.dtype, dict]:
+DTYPE_TIMING_MIN_SECONDS = 60  # fp32 training shorter than this is not timed against bf16: the timing would cost more
+DTYPE_DROP = 3.0  # a dtype whose warm-up step takes this many times the fastest one's is not timed further
+
+
+def choose_train_dtype(head: EagleHead, batch, cfg: dict, *, steps: int, reps: int = 2) -> tuple[torch.dtype, dict]:
     """The dtype of the head's training matmuls: `cfg["train_dtype"]` if named, else (auto) bf16 on
     CUDA and, on a CPU, the faster of fp32 and bf16 autocast timed on `batch` (forward and backward,
     after one warm-up each, interleaved): bf16 pays where the CPU computes it (AVX512-BF16, AMX) and
-    is emulated, slower, where it does not. Returns the dtype and the median step seconds of each
-    dtype timed (of the named one only, where a dtype is named)."""
+    is emulated, several times slower, where it does not. Where `steps` fp32 steps would take under
+    `DTYPE_TIMING_MIN_SECONDS` fp32 is kept untimed against bf16, and a dtype whose warm-up step takes
+    `DTYPE_DROP` times the other's is not timed further (on a CPU without bf16 a quick run's timing
+    took 71 s for 7 s of training). Returns the dtype and the median step seconds of each dtype timed
+    (a dtype dropped after its warm-up: that step's seconds)."""
     name = cfg["train_dtype"]
     if name == "auto" and batch[0].device.type != "cpu":
         name = "bfloat16"
     timed = TRAIN_DTYPES if name == "auto" else {name: TRAIN_DTYPES[name]}
+    warm: dict[str, float] = {}
+    for k, dt in timed.items():  # fp32 first
+        warm[k] = step_seconds(head, batch, cfg, dt)
+        if name == "auto" and k == "float32" and warm[k] * steps < DTYPE_TIMING_MIN_SECONDS:
+            break
+    timed = {k: dt for k, dt in timed.items() if k in warm and warm[k] <= DTYPE_DROP * min(warm.values())}
     times: dict[str, list[float]] = {k: [] for k in timed}
-    for r in range(reps + 1):
+    for _ in range(reps):
         for k, dt in timed.items():
-            t = step_seconds(head, batch, cfg, dt)
-            if r:
-                times[k].append(t)
+            times[k].append(step_seconds(head, batch, cfg, dt))
     head.zero_grad(set_to_none=True)
-    medians = {k: float(np.median(v)) for k, v in times.items()}
+    medians = warm | {k: float(np.median(v)) for k, v in times.items()}
     return TRAIN_DTYPES[min(medians, key=medians.get)], medians
 
 
@@ -436,18 +481,34 @@ def choose_compile(setting, *, steps: int, step_seconds: float) -> bool:
     return steps * step_seconds >= COMPILE_MIN_SECONDS
 
 
+REPLAN = (10, 30)  # steps after the start between which the step time is measured again, then the steps re-planned
+
+
 def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: dict, seed: int, start: int, history: list,
-                 checkpoint, dtype: torch.dtype, compiled: bool) -> str | None:
+                 checkpoint, dtype: torch.dtype, compiled: bool, replan: tuple[float, int] | None = None) -> str | None:
     """Steps start..cfg["steps"] of training (appending to `history`), saving a resumable checkpoint
     every `checkpoint_every` steps; checkpoint = (path, run key, numpy generator). With `compiled`,
     the unlogged steps run `compile_objective` (logged steps stay eager: they take an argmax over the
-    logits). Returns why compilation fell back to eager steps (no C++ compiler, say), or None."""
+    logits). `replan` = (deadline, the recipe's steps): at `REPLAN` the steps are fitted again to the
+    deadline (`time.perf_counter` seconds) at the step time measured since the compilation, and
+    cfg["steps"] (which the learning-rate schedule reads) set. Returns why compilation fell back to
+    eager steps (no C++ compiler, say), or None."""
     ckpt, run_key, rng = checkpoint
     objective = compile_objective(cfg["ttt_steps"], cfg["ttt_decay"], dtype) if compiled else None
-    fallback = None
+    fallback, mark = None, None
     head.train()
-    bar = tqdm(range(start, cfg["steps"]), desc="train draft head", unit="step", initial=start, total=cfg["steps"])
-    for step in bar:
+    bar = tqdm(desc="train draft head", unit="step", initial=start, total=cfg["steps"])
+    step = start - 1
+    while step + 1 < cfg["steps"]:
+        step += 1
+        bar.update(1)
+        if replan is not None and step == start + REPLAN[0]:
+            mark = time.perf_counter()
+        elif replan is not None and step == start + REPLAN[1]:
+            per_step = (time.perf_counter() - mark) / (REPLAN[1] - REPLAN[0])
+            deadline, full = replan
+            cfg["steps"] = step + budget_steps(full - step, seconds_left=deadline - time.perf_counter(), step_seconds=per_step)
+            bar.total = cfg["steps"]
         batch = make_batch(seqs, train[batch_at(batches, step, seed)], t2d, cfg["seq_len"], head.d2t.device)
         logged = step % 25 == 0 or step == cfg["steps"] - 1
         opt.zero_grad(set_to_none=True)
@@ -472,9 +533,11 @@ def _train_steps(head, opt, sched, params, *, seqs, train, batches, t2d, cfg: di
         if (step + 1) % cfg["checkpoint_every"] == 0 and step + 1 < cfg["steps"]:
             _atomic_torch_save(
                 {"key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                 "step": step + 1, "history": history, "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()},
+                 "step": step + 1, "steps": cfg["steps"], "history": history, "rng": rng.bit_generator.state,
+                 "torch_rng": torch.get_rng_state()},
                 ckpt,
             )
+    bar.close()
     return fallback
 
 
@@ -518,21 +581,31 @@ def train_drafter(
     seed: int = 0,
     kernels: KernelTable | None = None,
 ) -> TrainResult:
-    """Build (or read from the cache) the training data, then train the head into `out_dir`."""
+    """Build (or read from the cache) the training data, then train the head into `out_dir`, all within
+    `drafter.minutes` (`budget.py`: the data's blocks within its `data_share`, then the steps
+    within the rest), or exactly the blocks and steps of `drafter.sizes`."""
     cfg = settings("drafter", config)
     cfg.pop("gto")  # stage train_gto's settings
     head_cfg = HeadConfig.for_target(model, draft_vocab=cfg["draft_vocab"])
     t0 = time.perf_counter()
+    fixed = cfg["sizes"]
+    timed = cfg["minutes"] is not None and fixed is None
+    budget = DataBudget(seconds=cfg["minutes"] * 60 * cfg["data_share"]) if timed else DataBudget.replay(fixed)
     seqs, stats = build_data(model=model, tokenizer=tokenizer, target_checksum=target_checksum, workloads_dir=workloads_dir,
-                             fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, kernels=kernels)
+                             fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head_cfg, seed=seed, kernels=kernels, budget=budget)
     return train_head(model=model, tokenizer=tokenizer, target_checksum=target_checksum, seqs=seqs, cfg=cfg, seed=seed,
-                      out_dir=out_dir, work_dir=work_dir, data_seconds=time.perf_counter() - t0, data_stats=asdict(stats))
+                      out_dir=out_dir, work_dir=work_dir, data_seconds=time.perf_counter() - t0, data_stats=asdict(stats),
+                      deadline=t0 + cfg["minutes"] * 60 if timed else None,
+                      fixed_steps=None if fixed is None else fixed["steps"])
 
 
 def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], cfg: dict, seed: int, out_dir: Path,
-               work_dir: Path, data_seconds: float = 0.0, data_stats: dict | None = None) -> TrainResult:
-    """Train a head on `seqs` for `cfg["epochs"]` passes (cfg: the full `drafter` settings without `gto`)
-    and write its folder to `out_dir`; checkpoints go to `work_dir`."""
+               work_dir: Path, data_seconds: float = 0.0, data_stats: dict | None = None, deadline: float | None = None,
+               fixed_steps: int | None = None) -> TrainResult:
+    """Train a head on `seqs` for `cfg["epochs"]` passes (cfg: the full `drafter` settings without `gto`),
+    or fewer steps where they would end after `deadline` (`time.perf_counter` seconds; `budget_steps`
+    at the measured step time), or exactly `fixed_steps`; write its folder to `out_dir`; checkpoints go
+    to `work_dir`."""
     cfg = dict(cfg)
     torch.manual_seed(seed)
     work_dir = Path(work_dir)
@@ -550,13 +623,22 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
     batch_tokens = cfg["batch_size"] * cfg["seq_len"]
     lengths = window_lengths(seqs, train, cfg["seq_len"])
     batches = token_batches(lengths, batch_tokens)
-    cfg["steps"] = max(1, math.ceil(cfg["epochs"] * len(batches)))  # epochs set the steps: the data sets the work
+    full = max(1, math.ceil(cfg["epochs"] * len(batches)))  # epochs set the steps: the data sets the work
+    fullest = max(batches, key=lambda b: len(b) * int(lengths[b].max()))  # the most padded positions: a typical step's shape
+    dtype, dtype_timing = choose_train_dtype(head, make_batch(seqs, train[fullest], t2d, cfg["seq_len"], head.d2t.device), cfg,
+                                             steps=full)
+    step_s = dtype_timing[str(dtype).removeprefix("torch.")]
+    reserve = len(token_batches(window_lengths(seqs, val, cfg["seq_len"]), batch_tokens)) * step_s / 2 + 5  # validation, writing
+    deadline = None if deadline is None else deadline - reserve
+    cfg["steps"] = fixed_steps or budget_steps(full, seconds_left=None if deadline is None else deadline - time.perf_counter(),
+                                               step_seconds=step_s)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / cfg["warmup"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"])))
     )
-    run_key = _hash(cfg | {"seed": seed, "n_windows": len(windows), "tokens": sum(len(s.tokens) for s in seqs)})
+    run_key = _hash({k: v for k, v in cfg.items() if k != "steps"}  # the steps a budget sets are in the checkpoint
+                    | {"seed": seed, "n_windows": len(windows), "tokens": sum(len(s.tokens) for s in seqs), "full": full})
     ckpt = work_dir / "checkpoint.pt"
     start, history = 0, []
     if ckpt.is_file():
@@ -565,16 +647,14 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
-            start, history = state["step"], state["history"]
+            start, history, cfg["steps"] = state["step"], state["history"], state["steps"]
             rng.bit_generator.state = state["rng"]
             torch.set_rng_state(state["torch_rng"])
-    fullest = max(batches, key=lambda b: len(b) * int(lengths[b].max()))  # the most padded positions: a typical step's shape
-    dtype, dtype_timing = choose_train_dtype(head, make_batch(seqs, train[fullest], t2d, cfg["seq_len"], head.d2t.device), cfg)
-    compiled = choose_compile(cfg["train_compile"], steps=cfg["steps"] - start,
-                              step_seconds=dtype_timing[str(dtype).removeprefix("torch.")])
+    compiled = choose_compile(cfg["train_compile"], steps=cfg["steps"] - start, step_seconds=step_s)
     t1 = time.perf_counter()
     fallback = _train_steps(head, opt, sched, params, seqs=seqs, train=train, batches=batches, t2d=t2d, cfg=cfg, seed=seed,
-                            start=start, history=history, checkpoint=(ckpt, run_key, rng), dtype=dtype, compiled=compiled)
+                            start=start, history=history, checkpoint=(ckpt, run_key, rng), dtype=dtype, compiled=compiled,
+                            replan=None if deadline is None or fixed_steps else (deadline, full))
     train_s = time.perf_counter() - t1
 
     vl, va, nb = _validate(head, seqs, val, t2d, cfg, batch_tokens, dtype=dtype)
@@ -585,6 +665,8 @@ def train_head(*, model, tokenizer, target_checksum: str, seqs: list[Sequence], 
         "train": cfg | {"seed": seed},
         "metrics": {"val_loss_step1": float(vl[0] / nb), "val_top1": (va / nb).tolist(), "train_tokens": n_tokens,
                     "data": data_stats, "data_seconds": data_seconds, "train_seconds": train_s, "steps": cfg["steps"],
+                    "recipe_steps": full,  # the data's blocks and the steps taken: drafter.sizes for a rerun
+                    "sizes": None if data_stats is None else data_stats["budget"]["taken"] | {"steps": cfg["steps"]},
                     "train_dtype": str(dtype).removeprefix("torch."), "train_dtype_step_seconds": dtype_timing,
                     "train_compiled": compiled and fallback is None, "train_compile_fallback": fallback,
                     "history": history},

@@ -35,6 +35,7 @@ from ogspo.engine.policies import CycleContext, DynamicTree
 from ogspo.engine.target import ForwardOut, TreeLM, build_tree_lm
 from ogspo.engine.tree import DraftTree, ancestor_matrix
 
+from .budget import DataBudget
 from .data import Sequence
 from .gto import clipped_surrogate, group_advantages, tree_reward
 from .head import EagleHead
@@ -297,13 +298,16 @@ def train_gto(*, model, tokenizer, base_dir: Path, target_checksum: str, workloa
               fortunes_dir: Path | None = None, config: dict | None = None, seed: int = 0) -> GTOResult:
     """GTO fine-tuning of the head in `base_dir` (from `train_drafter` with the same `drafter` settings)
     into the drafter folder `out_dir`. The training data comes from `train_drafter`'s data cache
-    (`train.data_cache_dir`; rebuilt there if it is gone); its held-out windows give the reward figures."""
+    (`train.data_cache_dir`; rebuilt there if it is gone), the blocks the head's budget took; its held-out
+    windows give the reward figures."""
     cfg = settings("drafter", config)
     gcfg = settings("drafter.gto", cfg.pop("gto", None))
     torch.manual_seed(seed)
     head, meta = load_head(base_dir, target_model=model, target_checksum=target_checksum)
+    # the blocks the head was trained on (a head from before the budget recorded none: the whole recipe)
+    budget = DataBudget.replay(meta["metrics"].get("sizes"))
     seqs, _ = build_data(model=model, tokenizer=tokenizer, target_checksum=target_checksum, workloads_dir=workloads_dir,
-                         fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head.cfg, seed=seed)
+                         fortunes_dir=fortunes_dir, cfg=cfg, head_cfg=head.cfg, seed=seed, budget=budget)
     val, train = split_windows(seqs, cfg, np.random.default_rng(seed))
     t2d = target_to_draft(head.d2t, head.cfg.vocab)
     result = fine_tune_gto(head, model=model, seqs=seqs, train=train, val=val, t2d=t2d, cfg=gcfg, train_cfg=cfg, seed=seed)
