@@ -63,3 +63,23 @@ def test_links_between_the_docs_land():
             if anchor:
                 anchors = {_anchor(h) for h in re.findall(r"(?m)^#+ .*$", path.read_text())}
                 assert anchor in anchors, f"{doc.name} links to {target}#{anchor}, which is no heading there"
+
+
+def test_every_benchmark_section_sits_between_its_own_markers():
+    """Each script rewrites only what lies between its `<!-- name:start -->` and `<!-- name:end -->`
+    (benchmarks/benchdoc.py): the markers pair up in order, none nested, each pair holding one section
+    heading, and every name belongs to a script that writes it."""
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    marks = re.findall(r"^<!-- (\w+):(start|end) -->$", text, flags=re.M)
+    assert marks and len(marks) % 2 == 0, marks
+    pairs = [(marks[i], marks[i + 1]) for i in range(0, len(marks), 2)]
+    bad = [p for p in pairs if p[0][1] != "start" or p[1] != (p[0][0], "end")]
+    assert not bad, f"markers out of order: {bad}"
+    names = [p[0][0] for p in pairs]
+    assert len(set(names)) == len(names), names
+    writers = set(re.findall(r'write_section\(\s*"(\w+)"', "".join(
+        p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))))
+    assert set(names) <= writers, sorted(set(names) - writers)
+    for name in names:
+        body = text.split(f"<!-- {name}:start -->", 1)[1].split(f"<!-- {name}:end -->", 1)[0]
+        assert len(re.findall(r"^## ", body, flags=re.M)) == 1, name
