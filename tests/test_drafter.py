@@ -518,6 +518,13 @@ def test_the_data_budget_takes_a_prefix_of_each_part_at_the_measured_rate():
     assert tight.admit("generated", WRITE, 64)  # one block written, always
     tight.spend(WRITE, 64, 1.0)
     assert not tight.admit("generated", WRITE, 64) and not tight.admit("sharegpt", READ, 1)
+    primed = DataBudget(seconds=10.0)
+    assert primed.admit("generated", WRITE, 4)
+    primed.spend(WRITE, 4, 9.0)
+    primed.expect(READ, 1e-3)  # plan_bulk's forwards: 1 ms a token, so 2000 tokens would end at 11 s
+    assert primed.predict(READ, 2000) == pytest.approx(2.0) and not primed.admit("sharegpt", READ, 2000)
+    primed.spend(READ, 100, 0.5)  # a measured rate replaces the expected one
+    assert primed.predict(READ, 2000) == pytest.approx(10.0)
     again = DataBudget.replay(b.sizes | {"steps": 7})
     assert [again.admit("generated", WRITE, 4) for _ in range(5)] == [True, True, True, False, False]
     assert DataBudget.replay(None).admit("sharegpt", READ, 1e9)
@@ -608,3 +615,31 @@ def test_the_training_dtype_is_timed_only_where_the_timing_can_pay(monkeypatch, 
     head = torch.nn.Linear(2, 2)
     dtype, timing = train.choose_train_dtype(head, (torch.zeros(1),), {"train_dtype": "auto"}, steps=steps)
     assert seen == calls and str(dtype) == f"torch.{chosen}" and set(timing) == set(calls)
+
+
+def test_top_k_recall_by_depth_grows_with_k_and_its_top_1_is_the_training_agreement():
+    """`ttt_recall`: at k = 1 the top-1 agreement `ttt_loss` logs, never smaller at a larger k, and at k =
+    the whole draft vocabulary the share of positions whose target token the vocabulary holds;
+    `continuation_recall` scores the continuation's drafted positions only (not the prompt, not the root)."""
+    from ogspo.drafter import train
+    from ogspo.drafter.recall import continuation_recall, ttt_recall
+
+    model = tiny_model(3, vocab=64, layers=4).float()
+    head = make_head(model, seed=1, draft_vocab=48)
+    gen = torch.Generator().manual_seed(0)
+    seqs = hf_annotate(model, [torch.randint(0, 64, (30,), generator=gen).tolist() for _ in range(3)],
+                       head.cfg.feature_layers, top_k=4)
+    t2d = train.target_to_draft(head.d2t, head.cfg.vocab)
+    batch = train.make_batch(seqs, np.array([[0, 0], [1, 0], [2, 0]]), t2d, 32, torch.device("cpu"))
+    hits, n = ttt_recall(head, batch, 3, ks=(1, 2, 4, 48))
+    _, _, accs = train.ttt_loss(head, batch, 3, 0.7)
+    rec = hits / n[:, None]
+    assert np.allclose(rec[:, 0], accs) and (np.diff(rec, axis=1) >= 0).all() and (n == [87, 84, 81]).all()
+    inside = torch.isin(batch[5], head.d2t)  # [B, T] the target's token is a draft token
+    for j in range(3):
+        assert rec[j, 3] == pytest.approx(float((inside & train.step_mask(batch[4], j + 1)).sum()) / n[j])
+    lm = build_tree_lm(model, max_len=64, feature_layers=head.cfg.feature_layers)
+    prompt, cont = seqs[0].tokens[:12].tolist(), seqs[0].tokens[12:].tolist()
+    r = continuation_recall(head, lm, [(prompt, cont)], depth=2, ks=(1, 48))
+    assert r["positions"] == [len(cont), len(cont) - 1] and r["ks"] == [1, 48]  # roots: every continuation token
+    assert all(0 <= x <= y <= 1 for x, y in r["recall"])

@@ -59,7 +59,7 @@ def test_every_method_equals_transformers_greedy(smollm2, kernels):
     target = make_target(model, max_len=512, kernels=table)
     ties = []
     # the mixed table on the tree methods and one prompt (the reference run covers them all)
-    prompts, methods, n_new = (PROMPTS, METHODS, 40) if table is None else (PROMPTS[:1], METHODS[1:4], 32)
+    prompts, methods, n_new = (PROMPTS, METHODS, 32) if table is None else (PROMPTS[:1], METHODS[1:4], 32)
     drafters = {d: make_drafter(d, target_model=model, max_len=512, kernels=table) for _, _, d in methods if d is not None}
     for text in prompts:
         prompt = tok(text).input_ids

@@ -307,7 +307,9 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
             meta["gto_metrics"] = {"steps": 100, "seconds": 120.0, "reward_before": 2.5, "reward_after": 2.75,
                                    "accepted_before": 0.8, "accepted_after": 0.9}
         (tmp_path / head / "drafter.json").write_text(json.dumps(meta))
-    (tmp_path / "acceptance.json").write_text(json.dumps({"figures": figs}))
+    recall = {"base": {"alpha": {"ks": [1, 2, 4, 8], "recall": [[0.4, 0.5, 0.6, 0.7], [0.3, 0.4, 0.5, 0.6]],
+                                 "positions": [100, 99]}}}  # the gto head measured none: "-"
+    (tmp_path / "acceptance.json").write_text(json.dumps({"figures": figs, "recall": recall}))
     out = tmp_path / "report"
     r = write_report(
         evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=out,
@@ -335,8 +337,8 @@ def test_report_writes_summary_markdown_and_plots(tmp_path):
     assert "absent.parquet not found" in md and any("absent.parquet" in m for m in r.missing)
     assert "What limits it" in md and "T1: the OGSPO structure has 0 nodes" in md
     # both heads side by side, with GTO's reward before and after
-    assert "| alpha | 0 | base | 0.40, 0.30 | 1.000 | eagle8-3-2 | 1.60 | 1.10x |" in md
-    assert "| alpha | 0 | gto | 0.50, 0.35 | 1.000 | eagle8-3-2 | 1.90 | 1.10x |" in md
+    assert "| alpha | 0 | base | 0.40, 0.30 | 1.000 | 0.40/0.50/0.60/0.70 | eagle8-3-2 | 1.60 | 1.10x |" in md
+    assert "| alpha | 0 | gto | 0.50, 0.35 | 1.000 | - | eagle8-3-2 | 1.90 | 1.10x |" in md
     assert "Draft Tree Reward 2.500 -> 2.750" in md
     # without rounds tables at all, the plot is left out and said so
     r2 = write_report(evaluate_summary=ev / "summary.json", requests=ev / "requests.parquet", out_dir=tmp_path / "r2")

@@ -301,9 +301,13 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
     lines = ["## Draft heads (stage measure_drafter: held-out eval prompts, heads interleaved prompt by prompt)", "",
              "Chain acceptance by depth d: P(depth d accepted | depth d-1 reached) [cycles that reached d-1]. First-token "
              "ceiling: the target's mean largest probability at the chain's roots, which a drafted token (a point mass) "
-             "is accepted with at most, at T > 0.", "",
-             "| workload | T | head | chain acceptance by depth | first-token ceiling | best tree | tau | speedup vs ar |",
-             "|---|---:|---|---|---:|---|---:|---:|"]
+             "is accepted with at most, at T > 0. Top-k recall at depth 1: how often the target's greedy token is among "
+             "the head's k best (k = 1/2/4/8), on the T=0 continuations (what a tree k wide at the first level can "
+             "accept; `acceptance.md` has every depth).", "",
+             "| workload | T | head | chain acceptance by depth | first-token ceiling | top-k recall, depth 1 | best tree | tau "
+             "| speedup vs ar |",
+             "|---|---:|---|---|---:|---|---|---:|---:|"]
+    recall = acceptance.get("recall", {})
     keys = list(dict.fromkeys((f["workload"], f["temperature"]) for f in figs))
     for w, t in keys:
         for h in heads:
@@ -318,7 +322,9 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
                                 n in zip(chain_["accept_by_depth"], counts))
                 acc += f" ({chain_['prompts']} prompts)" if chain_.get("prompts") else ""
             ceiling = _fmt(chain_.get("first_token_ceiling") if chain_ else None, ".3f")
-            lines.append(f"| {w} | {t:g} | {h} | {acc} | {ceiling} | {best['method'] if best else '-'} | "
+            rec = recall.get(h, {}).get(w) if t == 0 else None
+            rec = "/".join(f"{x:.2f}" for x in rec["recall"][0]) if rec else "-"
+            lines.append(f"| {w} | {t:g} | {h} | {acc} | {ceiling} | {rec} | {best['method'] if best else '-'} | "
                          f"{_fmt(best['tau'] if best else None)} | {_fmt(best['speedup'] if best else None)}x |")
     for h, meta in metas.items():
         top1 = [round(a, 3) for a in meta.get("metrics", {}).get("val_top1", [])]
@@ -336,6 +342,11 @@ def render_heads(acceptance: dict, metas: Mapping[str, dict]) -> list[str]:
                      f"{d['self_instructions']} self-written requests, {d['near_held_out']} prompts dropped as near an "
                      f"eval/calib prompt; {made}); data {m['data_seconds'] / 60:.1f} min, {m['steps']} steps "
                      f"{m['train_seconds'] / 60:.1f} min")
+            b = d.get("budget")
+            if b and b.get("seconds") is not None:  # what drafter.minutes took of the recipe
+                text += ("; within the budget: blocks " + ", ".join(f"{k} {n} of {b['offered'][k]}" for k,
+                                                                     n in b["taken"].items())
+                         + f", steps {m['steps']} of {m['recipe_steps']}")
         g = meta.get("gto_metrics")
         if g:
             text += (f"; GTO {g['steps']} steps ({g['seconds'] / 60:.1f} min), held-out Draft Tree Reward "

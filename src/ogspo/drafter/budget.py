@@ -7,7 +7,8 @@ writes, reads or trains slower gets a prefix of it, sized from the rates measure
 - the data comes in blocks, in a fixed order (blocks of prompts of similar length, shuffled by the
   seed, so a prefix mixes every source; then the text to read, source by source): `DataBudget.admit` takes the next block
   while the seconds spent plus the block's predicted seconds (its work units times the seconds per
-  unit measured so far for its kind, writing or reading) stay within the data's share of the budget.
+  unit measured so far for its kind, writing or reading; before the first, the rate `expect`ed, e.g.
+  of the forwards `plan_bulk` timed) stay within the data's share of the budget.
   A block read from the cache counts the seconds it took when it was built, so a rerun on the same
   machine takes the same blocks.
 - the training steps are the recipe's (`epochs` passes over the data taken) or fewer:
@@ -36,6 +37,7 @@ class DataBudget:
     taken: dict[str, int] = field(default_factory=dict)  # blocks taken per part ("generated", "sharegpt", ...)
     offered: dict[str, int] = field(default_factory=dict)  # blocks the recipe holds per part
     _closed: set[str] = field(default_factory=set)
+    _prior: dict[str, float] = field(default_factory=dict)  # seconds per unit before any block of a kind is measured
     _units: dict[str, float] = field(default_factory=lambda: {WRITE: 0.0, READ: 0.0})
     _seconds: dict[str, float] = field(default_factory=lambda: {WRITE: 0.0, READ: 0.0})
 
@@ -45,9 +47,17 @@ class DataBudget:
         its `steps` are the trainer's); None: every block."""
         return cls(seconds=None, fixed=None if sizes is None else {k: v for k, v in sizes.items() if k != "steps"})
 
+    def expect(self, kind: str, seconds_per_unit: float) -> None:
+        """The rate that predicts `kind`'s first block, before one is measured (for reading: the causal
+        forwards `plan_bulk` timed)."""
+        self._prior[kind] = seconds_per_unit
+
     def predict(self, kind: str, units: float) -> float | None:
-        """Seconds a block of `units` of `kind` should take at the rate measured so far (None: none yet)."""
-        return units * self._seconds[kind] / self._units[kind] if self._units[kind] else None
+        """Seconds a block of `units` of `kind` should take at the rate measured so far, else at the
+        expected one (None: neither)."""
+        if self._units[kind]:
+            return units * self._seconds[kind] / self._units[kind]
+        return units * self._prior[kind] if kind in self._prior else None
 
     def admit(self, part: str, kind: str, units: float) -> bool:
         """Whether the next block of `part` (`units` of work of `kind`) is built; counts it offered."""

@@ -92,6 +92,12 @@ class BulkPlan:
     write: KernelTable | None  # kernels of the batched generation
     us_per_token: dict[str, float] = field(default_factory=dict)  # "table@64", "reference@512", ...: median causal forward
 
+    @property
+    def read_seconds_per_token(self) -> float | None:
+        """Seconds a token of text costs at the rows and kernels chosen for reading, as timed (None: not timed)."""
+        us = self.us_per_token.get(f"{'reference' if self.read is None else 'table'}@{self.read_rows}")
+        return None if us is None else us / 1e6
+
     def describe(self) -> dict:
         name = lambda t: "reference" if t is None else "table"  # noqa: E731
         return {"read": name(self.read), "read_rows": self.read_rows, "write": name(self.write),

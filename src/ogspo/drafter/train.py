@@ -256,6 +256,8 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
         seqs = annotate_text(lm, block, top_k=cfg["top_k"], rows=bulk.read_rows)
         return {"seqs": seqs, "seconds": time.perf_counter() - t}
 
+    if bulk is not None and bulk.read_seconds_per_token is not None:  # the first text block's predicted seconds
+        budget.expect(READ, bulk.read_seconds_per_token)
     annotated, ann_built, ann_s = [], 0, 0.0
     for source, ids in text_sources.items():
         for a in range(0, len(ids), TEXT_BLOCK):
@@ -368,7 +370,7 @@ def make_batch(seqs, windows, t2d: torch.Tensor, seq_len: int, device: torch.dev
     return tuple(t.to(device) for t in (feats, nxt, did.clamp(min=0), tp, valid, tid[..., 0]))
 
 
-def _step_mask(valid: torch.Tensor, j: int) -> torch.Tensor:
+def step_mask(valid: torch.Tensor, j: int) -> torch.Tensor:
     """The positions TTT step j is scored on: valid ones with a root (t - j + 1 >= 0). [B, T] bool"""
     m = valid.clone()
     m[:, : j - 1] = False
@@ -387,7 +389,7 @@ def ttt_objective(head: EagleHead, batch, steps: int, decay: float, dtype: torch
         outs = head.forward_train(feats, nxt, steps)
     total, losses = 0.0, []
     for j, logits in enumerate(outs, start=1):
-        m = _step_mask(valid, j)
+        m = step_mask(valid, j)
         lf = logits.float()  # [B, T, V']
         ce = (tp * (torch.logsumexp(lf, -1, keepdim=True) - lf.gather(-1, did))).sum(-1)  # [B, T]
         loss = (ce * m).sum() / m.sum().clamp(min=1)
@@ -404,7 +406,7 @@ def ttt_loss(head: EagleHead, batch, steps: int, decay: float, *, dtype: torch.d
     if accuracy:
         valid, top1 = batch[4], batch[5]
         for j, logits in enumerate(outs, start=1):
-            m = _step_mask(valid, j)
+            m = step_mask(valid, j)
             pred = head.d2t[logits.argmax(-1)]
             accs.append(float(((pred == top1) & m).sum() / m.sum().clamp(min=1)))
     return total, losses.tolist(), accs

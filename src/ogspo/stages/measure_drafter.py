@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import write_text
+from ogspo.drafter.recall import continuation_recall
 from ogspo.engine.decode import CycleTrace, SpeculativeEngine
 from ogspo.engine.model import load_target, model_checksum
 from ogspo.engine.policies import Autoregressive, DynamicTree, chain
@@ -61,6 +62,9 @@ class MeasureResult:
     # head -> workload -> {"mass": mean target probability inside the draft vocabulary, "top1": share of the
     # target's greedy tokens inside it, "positions": positions behind both}, on the T=0 continuations
     vocab_coverage: dict[str, dict[str, dict]] = field(default_factory=dict)
+    # head -> workload -> top-k recall by depth on the T=0 continuations (`drafter.recall.continuation_recall`):
+    # {"ks", "recall" [depth][k], "positions" [depth]}
+    recall: dict[str, dict[str, dict]] = field(default_factory=dict)
 
 
 @torch.inference_mode()
@@ -207,17 +211,20 @@ def measure_drafter(
     bar.close()
     coverage = {label: {w: vocab_coverage(target, d.head.d2t, texts) for w, texts in greedy.items() if texts}
                 for label, d in drafters.items()}
+    recall = {label: {w: continuation_recall(d.head, target, texts, chain_depth) for w, texts in greedy.items() if texts}
+              for label, d in drafters.items()}
     first = next(iter(prompts.values()))[0]
     expand_ms = time_expand(first_drafter, first, target) if n_speed else {}
     return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
                          prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,
-                         speed_prompts_per_workload=n_speed, vocab_coverage=coverage)
+                         speed_prompts_per_workload=n_speed, vocab_coverage=coverage, recall=recall)
 
 
 def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
     data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
             "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens,
-            "speed_prompts_per_workload": result.speed_prompts_per_workload, "vocab_coverage": result.vocab_coverage}
+            "speed_prompts_per_workload": result.speed_prompts_per_workload, "vocab_coverage": result.vocab_coverage,
+            "recall": result.recall}
     write_text(out_json, json.dumps(data, indent=1))
     write_text(out_md, render_markdown(result))
 
@@ -244,4 +251,10 @@ def render_markdown(result: MeasureResult) -> str:
             f"{w} {c['mass']:.3f} of the target's next-token mass, {c['top1']:.3f} of its greedy tokens ({c['positions']} "
             "positions)"
             for w, c in by_w.items()))
+    for head, by_w in result.recall.items():
+        for w, r in by_w.items():
+            lines.append(f"Top-k recall by depth of head {head} on {w}'s T=0 continuations (k = "
+                         + "/".join(map(str, r["ks"])) + "): " + "; ".join(
+                             f"depth {d + 1} " + "/".join(f"{x:.2f}" for x in row) + f" [{n}]"
+                             for d, (row, n) in enumerate(zip(r["recall"], r["positions"]))))
     return "\n".join(lines)
