@@ -518,6 +518,9 @@ def test_the_data_budget_takes_a_prefix_of_each_part_at_the_measured_rate():
     assert tight.admit("generated", WRITE, 64)  # one block written, always
     tight.spend(WRITE, 64, 1.0)
     assert not tight.admit("generated", WRITE, 64) and not tight.admit("sharegpt", READ, 1)
+    charged = DataBudget(seconds=10.0)
+    charged.charge(4.0)  # time spent outside any block counts against the budget, not in a rate
+    assert charged.admit("generated", WRITE, 4) and charged.predict(WRITE, 4) is None and charged.spent == 4.0
     primed = DataBudget(seconds=10.0)
     assert primed.admit("generated", WRITE, 4)
     primed.spend(WRITE, 4, 9.0)

@@ -77,6 +77,11 @@ class DataBudget:
             self._closed.add(part)
         return ok
 
+    def charge(self, seconds: float) -> None:
+        """Seconds of the data's work that are no block (the target writing its own requests): the budget's
+        time, not a rate."""
+        self.spent += seconds
+
     def spend(self, kind: str, units: float, seconds: float) -> None:
         """A block of `units` of `kind` took `seconds` (when built; as recorded, when cached)."""
         self.spent += seconds

@@ -192,7 +192,7 @@ def build_data(*, model, tokenizer, target_checksum: str, workloads_dir: Path, f
 
         made, _ = _cached(cache / f"requests-{key}.pt", instruct)
         requests = made["requests"]
-        budget.spend(WRITE, 0, made["seconds"])  # the budget's time, not its rate: requests are not answers
+        budget.charge(made["seconds"])  # the budget's time, not the answers' rate
         texts += [TrainText("self-instruct", r, render_chat(tokenizer, r)) for r in requests]
     texts, near_held, repeats = decontaminate(texts, held_out)
     prompts = [tokenizer(t.prompt, add_special_tokens=False).input_ids for t in texts]
