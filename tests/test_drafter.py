@@ -454,11 +454,8 @@ def test_the_compiled_training_objective_equals_the_eager_one_at_every_batch_sha
 def test_a_compile_failure_at_the_first_backward_leaves_eager_steps_and_says_so(tmp_path, monkeypatch):
     """Inductor compiles the backward graph at the first backward, so a missing C++ compiler shows there:
     training goes on with eager steps from that step, and drafter.json names the failure."""
-    from types import SimpleNamespace
 
-    from ogspo.artifacts.settings import default_settings
     from ogspo.drafter import train
-    from ogspo.drafter.head import HeadConfig
 
     class NoCompiler(torch.autograd.Function):
         @staticmethod
@@ -479,14 +476,7 @@ def test_a_compile_failure_at_the_first_backward_leaves_eager_steps_and_says_so(
         return objective
 
     monkeypatch.setattr(train, "compile_objective", failing_objective)
-    model = tiny_model(7, vocab=64, layers=4).float()
-    gen = torch.Generator().manual_seed(0)
-    seqs = hf_annotate(model, [torch.randint(0, 64, (40,), generator=gen).tolist() for _ in range(12)],
-                       HeadConfig.for_target(model, draft_vocab=48).feature_layers, top_k=4)
-    cfg = {k: v for k, v in default_settings("drafter").items() if k != "gto"}
-    cfg.update(draft_vocab=48, seq_len=16, batch_size=2, epochs=3, warmup=2, train_dtype="float32", train_compile=True,
-               val_fraction=0.2)
-    tok = SimpleNamespace(eos_token_id=2)
+    model, seqs, cfg, tok = tiny_training(train_compile=True)
     r = train.train_head(model=model, tokenizer=tok, target_checksum="x", seqs=seqs, cfg=cfg, seed=0,
                          out_dir=tmp_path / "head", work_dir=tmp_path / "work")
     metrics = json.loads((tmp_path / "head" / "drafter.json").read_text())["metrics"]
@@ -577,20 +567,10 @@ def test_training_steps_fit_the_deadline_or_are_fixed(tmp_path):
     """A deadline already past trains one step (the recipe's steps recorded beside); fixed steps train
     exactly those."""
     import time
-    from types import SimpleNamespace
 
-    from ogspo.artifacts.settings import default_settings
     from ogspo.drafter import train
-    from ogspo.drafter.head import HeadConfig
 
-    model = tiny_model(7, vocab=64, layers=4).float()
-    gen = torch.Generator().manual_seed(0)
-    seqs = hf_annotate(model, [torch.randint(0, 64, (40,), generator=gen).tolist() for _ in range(12)],
-                       HeadConfig.for_target(model, draft_vocab=48).feature_layers, top_k=4)
-    cfg = {k: v for k, v in default_settings("drafter").items() if k != "gto"}
-    cfg.update(draft_vocab=48, seq_len=16, batch_size=2, epochs=3, warmup=2, train_dtype="float32", train_compile=False,
-               val_fraction=0.2)
-    tok = SimpleNamespace(eos_token_id=2)
+    model, seqs, cfg, tok = tiny_training(train_compile=False)
     kw = dict(model=model, tokenizer=tok, target_checksum="x", seqs=seqs, cfg=cfg, seed=0, work_dir=tmp_path / "work")
     late = train.train_head(**kw, out_dir=tmp_path / "late", deadline=time.perf_counter())
     metrics = json.loads((tmp_path / "late" / "drafter.json").read_text())["metrics"]
@@ -646,3 +626,21 @@ def test_top_k_recall_by_depth_grows_with_k_and_its_top_1_is_the_training_agreem
     r = continuation_recall(head, lm, [(prompt, cont)], depth=2, ks=(1, 48))
     assert r["positions"] == [len(cont), len(cont) - 1] and r["ks"] == [1, 48]  # roots: every continuation token
     assert all(0 <= x <= y <= 1 for x, y in r["recall"])
+
+
+def tiny_training(*, train_compile: bool):
+    """A tiny target, 12 annotated random sequences of 40 tokens, and drafter settings that train on them in
+    seconds: (model, seqs, cfg, tokenizer) for `train.train_head`."""
+    from types import SimpleNamespace
+
+    from ogspo.artifacts.settings import default_settings
+    from ogspo.drafter.head import HeadConfig
+
+    model = tiny_model(7, vocab=64, layers=4).float()
+    gen = torch.Generator().manual_seed(0)
+    seqs = hf_annotate(model, [torch.randint(0, 64, (40,), generator=gen).tolist() for _ in range(12)],
+                       HeadConfig.for_target(model, draft_vocab=48).feature_layers, top_k=4)
+    cfg = {k: v for k, v in default_settings("drafter").items() if k != "gto"}
+    cfg.update(draft_vocab=48, seq_len=16, batch_size=2, epochs=3, warmup=2, train_dtype="float32",
+               train_compile=train_compile, val_fraction=0.2)
+    return model, seqs, cfg, SimpleNamespace(eos_token_id=2)
