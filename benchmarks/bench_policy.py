@@ -26,7 +26,7 @@ from ogspo.engine.policies import CycleContext  # noqa: E402
 from ogspo.engine.tree import DraftTree, Structure  # noqa: E402
 from ogspo.learn.export import export_policy
 from ogspo.learn.policy import PolicyHead
-from ogspo.methods.features import N_FEATURES, state_features
+from ogspo.methods.features import N_FEATURES, History, state_features
 from ogspo.methods.ogspo import OnnxPolicy
 from ogspo.stages.config import load_config
 
@@ -75,14 +75,14 @@ def main() -> None:
         pol = OnnxPolicy(Path(tmp) / "policy.onnx")
         ctx = CycleContext(context_length=300, request_seed=0, index=2, prompt_length=200)
         level = S.max_depth // 2
-        f = state_features(tree, level, context_length=300, recent_accept=2.0)
+        f = state_features(tree, level, context_length=300, history=History(2.0, 2.0))
         x = torch.from_numpy(f[None])
         rows = {}
         with torch.no_grad():
             rows["torch head (1 state)"] = per_call_us(lambda: head(x), args.calls)
         rows["ONNX head (1 state)"] = per_call_us(lambda: pol.decide(f), args.calls)
         rows[f"features at level {level} ({len(tree) - 1}-node tree)"] = per_call_us(
-            lambda: state_features(tree, level, context_length=300, recent_accept=2.0), args.calls)
+            lambda: state_features(tree, level, context_length=300, history=History(2.0, 2.0)), args.calls)
         rows["whole hook (features + ONNX)"] = per_call_us(lambda: pol(tree, level, ctx), args.calls)
     hook = stats(rows["whole hook (features + ONNX)"])[0]
     per_cycle = hook * (S.max_depth - 1)  # at most one call per drafted level but the last

@@ -3,14 +3,16 @@
 Replay only (records, latency model and the rounds' structure S of a run), no decoding. For each
 temperature: every record cycle replayed under S stopped at each depth d (A, t [C, D]); the best fixed
 depth, and the stop-only posterior bound (each cycle at its own best depth, knowing the outcome). Each
-policy class is fitted by direct search of sum A / sum t (`learn.threshold.fit_thresholds`) and scored
-in-sample (what the class can express) and on 5-fold predictions across requests (every request held
-out once, as the keep/drop rule tests):
+policy class of `learn.threshold.STOP_CLASSES` sets its thresholds as the keep/drop rule does (searched
+on sum A / sum t, or the marginal-gain rule from the latency model) and is scored in-sample (what the
+class can express) and on 5-fold predictions across requests (every request held out once, as the
+keep/drop rule tests):
 
     share of the bound = (J_policy / J_best_fixed_depth - 1) / (J_bound / J_best_fixed_depth - 1)
 
-Classes: the best fixed depth per workload; one threshold per level on each probability feature of
-the drafted frontier (pooled, and per workload); and, as a reference no decoder can run, one threshold
+Classes: the best fixed depth per workload; each of `STOP_CLASSES` (pooled, and per workload); the
+class chosen inside each fold (`learn.threshold.nested_depths`, what the keep/drop rule tests); and,
+as a reference no decoder can run, one threshold
 per level on the target's largest probability among the cycle's own first-level drafted tokens (known
 only after verification): what knowing the target's confidence at the root would be worth.
 
@@ -37,10 +39,9 @@ from ogspo.artifacts.latency import LatencyModel  # noqa: E402
 from ogspo.artifacts.records import Records, load_records  # noqa: E402
 from ogspo.engine.tree import Structure  # noqa: E402
 from ogspo.learn.policy import combine_data, offline_states, posterior_bound  # noqa: E402
-from ogspo.learn.threshold import fit_thresholds, request_folds, threshold_depths  # noqa: E402
+from ogspo.learn.threshold import STOP_CLASSES, Fit, fit_thresholds, nested_depths, request_folds, threshold_depths  # noqa: E402
 from ogspo.methods.features import FEATURE_NAMES  # noqa: E402
 
-PROB_FEATURES = ("max_cum_prob", "mean_cum_prob", "max_prob")
 FOLDS = 5
 
 
@@ -84,7 +85,8 @@ def measure(results: Path, tag: str) -> dict | None:
     def gain(d: np.ndarray) -> float:
         return float(A[rows, d - 1].sum() / t[rows, d - 1].sum() / best - 1.0)
 
-    def threshold_rule(x: np.ndarray, per_workload: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    def threshold_rule(x: np.ndarray, per_workload: bool,
+                       fit: Fit = fit_thresholds) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
         def fit_predict(train: np.ndarray, held: np.ndarray) -> np.ndarray:
             out = np.zeros(C, dtype=np.int64)
             groups = sorted(set(work.tolist())) if per_workload else [None]
@@ -92,7 +94,7 @@ def measure(results: Path, tag: str) -> dict | None:
                 g = np.ones(C, dtype=bool) if w is None else work == w
                 tr, ho = train & g, held & g
                 if ho.any():
-                    out[ho] = threshold_depths(x[ho], level[ho], fit_thresholds(x[tr], level[tr], A[tr], t[tr]))
+                    out[ho] = threshold_depths(x[ho], level[ho], fit(x[tr], level[tr], A[tr], t[tr]))
             return out[held]
         return fit_predict
 
@@ -104,10 +106,9 @@ def measure(results: Path, tag: str) -> dict | None:
         return out[held]
 
     classes: list[tuple[str, Callable]] = [("best fixed depth per workload", fixed_per_workload)]
-    for f in PROB_FEATURES:
-        x = data.features[:, :, FEATURE_NAMES.index(f)].astype(np.float64)
-        classes += [(f"threshold per level on {f}", threshold_rule(x, False)),
-                    (f"threshold per level on {f}, per workload", threshold_rule(x, True))]
+    for c in STOP_CLASSES:
+        x = data.features[:, :, FEATURE_NAMES.index(c.feature)].astype(np.float64)
+        classes += [(c.name, threshold_rule(x, False, c.fit)), (f"{c.name}, per workload", threshold_rule(x, True, c.fit))]
     root = np.concatenate([root_target_prob(r) for r in records])  # [C]
     classes.append(("reference, not causal: threshold on the target's root probability",
                     threshold_rule(np.repeat(root[:, None], D, axis=1), False)))
@@ -116,6 +117,9 @@ def measure(results: Path, tag: str) -> dict | None:
     for name, fit_predict in classes:
         g_in, g_ho = gain(fit_predict(all_rows, all_rows)), gain(kfold(req, fit_predict))
         out.append({"class": name, "in_sample": g_in, "held_out": g_ho})
+    d_nested, chosen = nested_depths(data, STOP_CLASSES, folds=FOLDS, seed=0)
+    out.append({"class": f"the class chosen in each fold (the keep/drop rule's; chose {', '.join(sorted(set(chosen)))})",
+                "in_sample": None, "held_out": gain(d_nested)})
     return {"tag": tag, "cycles": C, "requests": len(set(req.tolist())), "depth": D, "nodes": len(S),
             "best_fixed_depth": int(np.argmax(fixed)) + 1, "best_fixed_J": best, "bound_gain": bound / best - 1.0,
             "classes": out}
@@ -134,8 +138,8 @@ def render(figs: list[dict], results: Path) -> str:
                   f"{100 * f['bound_gain']:+.1f}%", "",
                   "| policy class | in-sample | held out |", "|---|---:|---:|"]
         for c in f["classes"]:
-            cell = [f"{100 * c[k]:+.1f}% ({c[k] / f['bound_gain']:+.2f})" if f["bound_gain"] > 0 else f"{100 * c[k]:+.1f}%"
-                    for k in ("in_sample", "held_out")]
+            cell = ["-" if c[k] is None else f"{100 * c[k]:+.1f}% ({c[k] / f['bound_gain']:+.2f})" if f["bound_gain"] > 0
+                    else f"{100 * c[k]:+.1f}%" for k in ("in_sample", "held_out")]
             lines.append(f"| {c['class']} | {cell[0]} | {cell[1]} |")
         lines.append("")
     return "\n".join(lines)

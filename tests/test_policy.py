@@ -72,8 +72,9 @@ class Recorder:
 
 
 def test_features_online_equal_offline_full_template(tiny_records, tmp_path):
-    """Online (engine + hook, same seeds as the records) == offline (records) on every cycle and level,
-    recent_accept (EMA from the growth of the committed context) and context length included."""
+    """Online (engine + hook, same seeds as the records) == offline (records), bit for bit, on every cycle
+    and level: the request's history (EMA and last cycle's commit, from the growth of the committed
+    context) and context length included."""
     data = offline_states(records=tiny_records, structure=TEMPLATE, latency=synthetic_latency())
     export_policy(head=_constant_head(1.0), path=tmp_path / "p.onnx", structure=TEMPLATE, lam=1.0)
     target, drafter = _setup()
@@ -85,8 +86,9 @@ def test_features_online_equal_offline_full_template(tiny_records, tmp_path):
     online = np.stack([f for _, f in rec.rows]).reshape(-1, D - 1, N_FEATURES)  # hook runs at levels 1..D-1
     assert [lv for lv, _ in rec.rows[: D - 1]] == list(range(1, D))
     assert online.shape[0] == data.features.shape[0] > 5
-    np.testing.assert_allclose(online, data.features[:, : D - 1], rtol=1e-6, atol=1e-6)
-    assert data.features[:, :, FEATURE_NAMES.index("recent_accept")].max() > 1  # the EMA is exercised
+    np.testing.assert_array_equal(online, data.features[:, : D - 1])
+    for name in ("recent_accept", "last_accept"):  # the request's history is exercised
+        assert data.features[:, :, FEATURE_NAMES.index(name)].max() > 1
 
 
 def test_features_online_equal_offline_sub_structure(tiny_records, tmp_path):
@@ -100,7 +102,7 @@ def test_features_online_equal_offline_sub_structure(tiny_records, tmp_path):
     engine = SpeculativeEngine(target=target, policy=StaticTree(SUB), drafter=drafter, stop_hook=rec)
     cyc = tiny_records.cycles
     seq: dict[str, list[int]] = {}
-    ema_col = FEATURE_NAMES.index("recent_accept")
+    history = [FEATURE_NAMES.index("recent_accept"), FEATURE_NAMES.index("last_accept")]
     for c, row in enumerate(cyc.iter_rows(named=True)):
         rid = row["request_id"]
         prompt = PROMPTS[int(rid[1:])]
@@ -113,8 +115,8 @@ def test_features_online_equal_offline_sub_structure(tiny_records, tmp_path):
         seq[rid] = seq[rid] + list(row["committed"])
         got = np.stack([f for _, f in rec.rows])  # [D_S - 1, F]
         want = data.features[c, : SUB.max_depth - 1]
-        keep = [i for i in range(N_FEATURES) if i != ema_col]  # a fresh cycle_from has no request history
-        np.testing.assert_allclose(got[:, keep], want[:, keep], rtol=1e-6, atol=1e-6)
+        keep = [i for i in range(N_FEATURES) if i not in history]  # a fresh cycle_from has no request history
+        np.testing.assert_array_equal(got[:, keep], want[:, keep])
 
 
 def _synthetic_data(n_cycles=3000, D=6, seed=0) -> PolicyData:

@@ -315,6 +315,92 @@ def test_threshold_policy_reproduces_every_fixed_depth_and_its_head_decides_as_t
     assert np.array_equal(policy_depths(threshold_head("max_cum_prob", theta), data), threshold_depths(x, level, theta))
 
 
+def test_one_levels_candidates_scored_together_equal_each_replayed_alone():
+    """`_scan` scores every threshold of a level from sorted partial sums; each must equal the policy
+    replayed with that threshold, cycles whose drafter ran out of candidates (a repeated state) included."""
+    from ogspo.learn.threshold import ALWAYS, NEVER, _ratio, _scan, threshold_depths
+
+    rng = np.random.default_rng(3)
+    C, D = 300, 5
+    x = np.round(rng.random((C, D)), 2)
+    level = np.tile(np.arange(1, D + 1, dtype=float), (C, 1))
+    for c in np.nonzero(rng.random(C) < 0.2)[0]:  # ran out after level r: the level-r state repeats
+        r = int(rng.integers(1, D))
+        level[c, r:], x[c, r:] = r, x[c, r - 1]
+    A = np.cumsum(rng.random((C, D)) * 2 * (rng.random((C, 1)) < 0.6), 1) + 1
+    t = 1 + np.cumsum(0.2 + 0.1 * rng.random((C, D)), 1)
+    theta = np.array([0.3, NEVER, 0.6, ALWAYS])
+    cands = np.array([NEVER, ALWAYS, 0.105, 0.455, 0.895])
+    for d in range(1, D):
+        want = []
+        for v in cands:
+            th = theta.copy()
+            th[d - 1] = v
+            want.append(_ratio(A, t, threshold_depths(x, level, th)))
+        np.testing.assert_allclose(_scan(x, level, A, t, theta, d, cands), want, rtol=1e-12)
+
+
+def test_the_marginal_gain_rule_sets_its_thresholds_from_the_latency_model():
+    """No search: theta_d = J of the best fixed depth x the median extra seconds of depth d + 1; a cycle
+    continues past level d exactly while its next_gain beats that, and the head that ships agrees."""
+    from ogspo.learn.policy import PolicyData, policy_depths
+    from ogspo.learn.threshold import STOP_CLASSES, marginal_thresholds, threshold_depths, threshold_head
+    from ogspo.methods.features import FEATURE_NAMES
+
+    rng = np.random.default_rng(2)
+    C, D = 400, 3
+    A = np.stack([np.full(C, 1.5), np.full(C, 2.0), np.full(C, 2.2)], 1)  # [C, D]
+    t = np.stack([np.full(C, 0.10), 0.12 + 0.01 * rng.random(C), np.full(C, 0.15)], 1)
+    J_ref = max(A[:, d].sum() / t[:, d].sum() for d in range(D))
+    theta = marginal_thresholds(None, None, A, t)
+    want = J_ref * np.median(np.diff(t, axis=1), axis=0)
+    np.testing.assert_allclose(theta, want, rtol=1e-6)
+    feats = np.zeros((C, D, N_FEATURES), dtype=np.float32)
+    feats[:, :, FEATURE_NAMES.index("level")] = np.arange(1, D + 1)
+    feats[:, :, FEATURE_NAMES.index("next_gain")] = rng.random((C, D))
+    data = PolicyData(Structure.chain(D), feats, A, t, np.array([f"w/r{i % 8}" for i in range(C)], dtype=object))
+    marginal = next(c for c in STOP_CLASSES if c.fit is marginal_thresholds)
+    g = feats[:, :, FEATURE_NAMES.index("next_gain")].astype(np.float64)
+    d = marginal.depths(data, marginal.thresholds(data))
+    expect = np.where(g[:, 0] <= theta[0], 1, np.where(g[:, 1] <= theta[1], 2, 3))
+    assert np.array_equal(d, expect) and len(set(d.tolist())) == 3
+    assert np.array_equal(policy_depths(threshold_head("next_gain", theta), data), threshold_depths(g, feats[:, :, 0], theta))
+
+
+def test_the_class_is_chosen_inside_each_fold_and_the_informative_one_ships():
+    """Only `top4_cum_prob` tells the cycles whose second level pays: the class chosen on each fold's
+    other requests is that one in every fold, its held-out policy beats the static trees, and the ship
+    figures score every class alone beside it (what the report's table shows)."""
+    from ogspo.analysis.markdown import render_stop_classes
+    from ogspo.learn.policy import PolicyData
+    from ogspo.learn.ship import compare_to_static, stop_only_bound
+    from ogspo.learn.threshold import STOP_CLASSES, nested_depths
+    from ogspo.methods.features import FEATURE_NAMES
+
+    rng = np.random.default_rng(1)
+    C = 600
+    requests = np.array([f"w/r{i % 20}" for i in range(C)], dtype=object)
+    good = rng.random(C) < 0.5
+    A = np.stack([np.full(C, 1.5), np.where(good, 3.5, 1.5)], 1)
+    t = np.stack([np.full(C, 1.0), np.full(C, 1.4)], 1)
+    feats = rng.random((C, 2, N_FEATURES)).astype(np.float32) * 0.5  # uninformative everywhere ...
+    feats[:, :, FEATURE_NAMES.index("level")] = [1, 2]
+    top4 = (np.where(good, 0.6, 0.2) + 0.1 * rng.random(C)).astype(np.float32)
+    feats[:, :, FEATURE_NAMES.index("top4_cum_prob")] = top4[:, None]  # ... but here
+    data = PolicyData(Structure.chain(2), feats, A, t, requests)
+    d, chosen = nested_depths(data, STOP_CLASSES, folds=5, seed=0)
+    assert chosen == ["threshold on top4_cum_prob"] * 5
+    rows = np.arange(C)
+    cmp = compare_to_static(A=np.vstack([A[rows, d - 1], A[:, 0], A[:, 1]]), t=np.vstack([t[rows, d - 1], t[:, 0], t[:, 1]]),
+                            requests=requests, names=["S<=1", "S<=2"], seed=0)
+    assert cmp["interval"][0] > 1.0
+    so = stop_only_bound(A, t)
+    v = {**cmp, "detectable_gain": 0.01, "gain_over_best_fixed": 0.1, "share_of_bound": 0.5}
+    md = render_stop_classes("T0", {"stop_only": so, "threshold": {**v, "folds": 5, "class": chosen[0],
+                                                                    "classes": {c.name: v for c in STOP_CLASSES}}})
+    assert sum(line.startswith("  | ") for line in md) == 1 + len(STOP_CLASSES) + 1 and "chosen in each fold" in "\n".join(md)
+
+
 @pytest.mark.parametrize("informative", [True, False])
 def test_kfold_ship_test_keeps_a_planted_winning_policy_and_drops_a_planted_useless_one(informative):
     """Cycles whose second level pays only when a confidence feature is high: thresholds fitted on the

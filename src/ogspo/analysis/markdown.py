@@ -247,7 +247,32 @@ def render_shipping(shipping: Mapping[str, dict]) -> list[str]:
                 f"d={so['best_fixed_depth']} ({so['best_fixed_J']:.1f})")
             lines.append(f"  - {w}: {v['shipped']} ({n} nodes; J on its record cycles "
                          + ", ".join(f"{k} {x:.1f}" for k, x in v.get("J", {}).items()) + bound + ")")
+        lines += render_stop_classes(tag, sh.get("figures") or {})
     return lines + [""]
+
+
+def render_stop_classes(tag: str, figures: Mapping) -> list[str]:
+    """The keep/drop rule's held-out test of each stop-policy class (rounds.json ship.figures): the
+    stop-only bound of S, each class's and the chosen policy's gain over the best fixed depth, its share
+    of that bound, its ratio to the best static tree with the interval, and the smallest gain the test sees."""
+    th, so = figures.get("threshold"), figures.get("stop_only")
+    if not th or not so or not th.get("classes"):
+        return []
+    out = ["", f"  {tag}: stop-only bound of S +{100 * so['bound_gain']:.1f}% over its best fixed depth "
+           f"d={so['best_fixed_depth']} ({so['best_fixed_J']:.1f} tok/s); held out over {th['n_requests']} record requests "
+           f"({th['folds']} folds), smallest gain this test detects ~{100 * th['detectable_gain']:.1f}%", "",
+           "  | stop policy | gain over best fixed depth | share of the bound | / best static tree [95%] |",
+           "  |---|---:|---:|---:|"]
+
+    def row(name: str, v: Mapping) -> str:
+        share = "-" if v.get("share_of_bound") is None else f"{v['share_of_bound']:+.2f}"
+        lo, hi = v["interval"]
+        return (f"  | {name} | {100 * v['gain_over_best_fixed']:+.1f}% | {share} | "
+                f"{v['ratio']:.3f} [{lo:.3f}, {hi:.3f}] vs {v['best_static']} |")
+
+    out += [row(name, v) for name, v in th["classes"].items()]
+    out.append(row(f"**chosen in each fold** (on all: {th.get('class', th.get('feature'))})", th))
+    return out + [""]
 
 
 LATENCY_CHECKED = (REFERENCE, TUNED, "sequoia", OGSPO)

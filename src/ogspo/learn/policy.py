@@ -19,11 +19,19 @@ far) and offline (`offline_states` rebuilds, from the record rows of the nodes o
 | 8 | max_prob | max drafter prob of a level-d token given its parent |
 | 9 | log_context | log(1 + committed context length) |
 | 10 | recent_accept | EMA (alpha `EMA_ALPHA`, start 0) of tokens committed per earlier cycle of the request |
+| 11 | top2_cum_prob | sum of the two largest cumulative probabilities at level d (LTD's top-k draft scores) |
+| 12 | top4_cum_prob | sum of the four largest |
+| 13 | next_gain | sum over level-d nodes of cumulative prob x own conditional prob (`learn.threshold`'s marginal gain) |
+| 14 | last_accept | tokens the request's previous cycle committed (0 on its first) |
 
-`recent_accept` online is measured as the growth of the committed context between consecutive cycles
-(`RecentAccept`); offline it is A_c'(S, D_S) of the request's earlier record cycles c' (what S would
-have committed without an early stop). A running policy that stops early commits at most that, so
-online values are censored versions of the offline ones (a mild, known train/deploy shift).
+`next_gain` is the drafter's estimate of the tokens level d + 1 would add, if each node's best child were
+as likely as the node itself was given its parent.
+
+`recent_accept` and `last_accept` (the request's `History`) online are measured as the growth of the
+committed context between consecutive cycles (`RecentAccept`); offline they come from A_c'(S, D_S) of
+the request's earlier record cycles c' (what S would have committed without an early stop). A running
+policy that stops early commits at most that, so online values are censored versions of the offline
+ones (a mild, known train/deploy shift).
 
 **Net gains and training.** With S fixed and lambda the current throughput estimate,
 G_c(d) = A_c(S, d) - lambda t_c(S, d) (tokens; replay + latency model). The *policy head* (small MLP
@@ -49,7 +57,7 @@ from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records, path_str
 from ogspo.artifacts.settings import settings
 from ogspo.engine.tree import DraftTree, Structure
-from ogspo.methods.features import EMA_ALPHA, FEATURE_NAMES, FEATURES_VERSION, N_FEATURES, state_features
+from ogspo.methods.features import EMA_ALPHA, FEATURE_NAMES, FEATURES_VERSION, N_FEATURES, History, state_features
 from ogspo.offline.replay import replay, replay_cycles
 
 # ---------------------------------------------------------------- features
@@ -76,16 +84,18 @@ class PolicyData:
         return PolicyData(self.structure, self.features[rows], self.accepted[rows], self.seconds[rows], self.requests[rows])
 
 
-def _ema_per_request(requests: np.ndarray, cycles: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """EMA of `values` over the earlier cycles of each request (0 for a request's first cycle). [C]"""
-    out = np.zeros(len(values))
+def _history_per_request(requests: np.ndarray, cycles: np.ndarray, values: np.ndarray) -> list[History]:
+    """Per cycle the `History` of its request's earlier cycles: the EMA of `values` over them and the
+    previous one's value (both 0 on a request's first cycle), computed as `RecentAccept` does online."""
+    out = [History()] * len(values)
     order = np.lexsort((cycles, requests))
-    ema, prev = 0.0, None
+    ema, last, prev = 0.0, 0.0, None
     for i in order:
         if requests[i] != prev:
-            ema, prev = 0.0, requests[i]
-        out[i] = ema
-        ema = (1 - EMA_ALPHA) * ema + EMA_ALPHA * values[i]
+            ema, last, prev = 0.0, 0.0, requests[i]
+        out[i] = History(ema, last)
+        last = float(values[i])
+        ema = (1 - EMA_ALPHA) * ema + EMA_ALPHA * last
     return out
 
 
@@ -104,7 +114,7 @@ def offline_states(*, records: Records, structure: Structure, latency: LatencyMo
     ctab = records.cycles
     rid = np.asarray(ctab["request_id"].to_list(), dtype=object)
     cidx = ctab["cycle"].to_numpy()
-    ema = _ema_per_request(rid, cidx, accepted[:, D - 1])  # [C]
+    hist = _history_per_request(rid, cidx, accepted[:, D - 1])  # [C]
 
     keep = {path_str(p) for p in S.paths}
     nodes = records.nodes.filter(records.nodes["rank_path"].is_in(list(keep))).sort(["request_id", "cycle", "node"])
@@ -130,7 +140,7 @@ def offline_states(*, records: Records, structure: Structure, latency: LatencyMo
             lv = min(d, reach)  # a drafter that ran out of candidates: repeat the last state
             if lv == 0:
                 continue
-            feats[c, d - 1] = state_features(tree, lv, context_length=int(ctx[c]), recent_accept=float(ema[c]))
+            feats[c, d - 1] = state_features(tree, lv, context_length=int(ctx[c]), history=hist[c])
     return PolicyData(S, feats, accepted, seconds, rid)
 
 

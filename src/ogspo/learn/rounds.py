@@ -74,12 +74,12 @@ from ogspo.learn.policy import (
     train_policy,
 )
 from ogspo.learn.ship import ShipDecision
-from ogspo.methods.features import FEATURE_NAMES, state_features
+from ogspo.methods.features import FEATURE_NAMES, History, state_features
 from ogspo.methods.ogspo import OnnxPolicy
 from ogspo.offline.replay import replay, replay_cycles
 from ogspo.offline.solve import combine_cycles, solve_structure
 
-RECENT = FEATURE_NAMES.index("recent_accept")
+RECENT, LAST = FEATURE_NAMES.index("recent_accept"), FEATURE_NAMES.index("last_accept")
 
 
 def rounds_settings(config: dict | None) -> dict:
@@ -116,18 +116,18 @@ class ExploringStop:
 
     def __init__(self, *, decide: Callable[[np.ndarray], bool], epsilon: float):
         self.decide, self.epsilon = decide, float(epsilon)
-        self.recent_accept = 0.0
+        self.history = History()
         self.rng = np.random.default_rng(0)
         self.log: list[Decision] = []
 
-    def start_cycle(self, *, recent_accept: float, rng: np.random.Generator) -> None:
-        """Before each `cycle_from`: the record's `recent_accept` (a lone cycle has no request history)
-        and the cycle's exploration randomness."""
-        self.recent_accept, self.rng = float(recent_accept), rng
+    def start_cycle(self, *, history: History, rng: np.random.Generator) -> None:
+        """Before each `cycle_from`: the record's `History` (a lone cycle has no request history) and the
+        cycle's exploration randomness."""
+        self.history, self.rng = history, rng
         self.log = []
 
     def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
-        f = state_features(tree, level, context_length=ctx.context_length, recent_accept=self.recent_accept)
+        f = state_features(tree, level, context_length=ctx.context_length, history=self.history)
         policy_stop = bool(self.decide(f))
         explored = bool(self.rng.random() < self.epsilon)
         coin = bool(self.rng.random() < 0.5)
@@ -211,7 +211,7 @@ def same_trace(
         if root != row["root_token"] or len(context) != row["context_length"]:
             raise ValueError(f"same-trace: records of '{rid}' are not consecutive cycles (cycle {row['cycle']})")
         rng = np.random.default_rng([seed & (2**32 - 1), zlib.crc32(rid.encode()), int(row["cycle"])])
-        hook.start_cycle(recent_accept=float(data.features[c, 0, RECENT]), rng=rng)
+        hook.start_cycle(history=History(float(data.features[c, 0, RECENT]), float(data.features[c, 0, LAST])), rng=rng)
         stats, committed = engine.cycle_from(context, root, request_seed=int(row["request_seed"]), index=int(row["cycle"]),
                                              prompt_length=prompt_len[rid])
         executed.append(int(c))

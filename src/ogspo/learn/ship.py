@@ -1,10 +1,12 @@
 """Keep or drop the learned stop policy: OGSPO never ships a policy that loses to a static tree.
 
 After the rounds, two stop policies over the structure S are compared with every static tree the
-records offer: the threshold policy (`learn.threshold`: one threshold per level on the frontier's
-confidence, a class that holds every S_{<=d}) on K-fold predictions, so every record request is held
-out once, and the rounds' MLP pi on the record requests its head was *not* trained on (the incumbent
-round's held-out split), kept only where it also beats the threshold policy there. The static trees:
+records offer: the threshold policy (`learn.threshold`: one threshold per level on one feature of the
+drafted frontier, or the marginal-gain rule; each class holds every S_{<=d}, and which class ships is
+chosen inside every fold) on K-fold predictions, so every record request is held out once, and the
+rounds' MLP pi on the record requests its head was *not* trained on (the incumbent round's held-out
+split), kept only where it also beats the threshold policy there. Every class is also scored alone on
+the same folds (`figures["threshold"]["classes"]`), for the report. The static trees:
 S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
 Sequoia's tree (`baselines.sequoia`). All are replayed on the same held-out cycles with the same
 latency model, J = sum A / sum t. The comparison is paired by request: a bootstrap resamples the
@@ -15,7 +17,7 @@ A policy is kept only when the interval of J(pi) / J(best static) lies above 1 +
 lower bound excludes "no gain"). The figures say what the test could see: the smallest gain it
 detects (the interval's half-width) beside the stop-only bound of S (each cycle at its best depth,
 knowing the outcome: what any stop policy could add over the best fixed depth) and the share of that
-bound the threshold policy captures held out. Otherwise the static tree with the highest J over all record
+bound the threshold policy (and each class) captures held out. Otherwise the static tree with the highest J over all record
 cycles ships instead, as a plain structure (no policy head), and the decision says why.
 Autoregressive decoding (the empty tree) is one of the static trees.
 
@@ -35,7 +37,7 @@ from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import Records
 from ogspo.engine.tree import Structure
 from ogspo.learn.policy import PolicyHead, combine_data, offline_states, policy_depths, posterior_bound, split_requests
-from ogspo.learn.threshold import THRESHOLD_FEATURE, check_head, feature_table, fit_thresholds, kfold_depths, threshold_head
+from ogspo.learn.threshold import STOP_CLASSES, StopClass, check_head, class_depths, nested_depths, select_class, threshold_head
 from ogspo.offline.replay import replay, replay_cycles
 from ogspo.offline.solve import combine_cycles
 
@@ -121,11 +123,11 @@ def compare_to_static(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, nam
 
 def decide_shipping(*, records: list[Records], structure: Structure, head: PolicyHead, latency: LatencyModel,
                     sequoia: Structure | None, seed: int, holdout_fraction: float, margin: float = 0.0,
-                    n_boot: int = 2000, folds: int = 5) -> ShipDecision:
+                    n_boot: int = 2000, folds: int = 5, classes: tuple[StopClass, ...] = STOP_CLASSES) -> ShipDecision:
     """Keep a stop policy over `structure` only if it beats every static tree on held-out record requests
     with a bootstrap interval above 1 + margin (see the module docstring). Two policies are tested: the
-    threshold policy (`learn.threshold`, feature `THRESHOLD_FEATURE`) on K-fold predictions, every
-    request held out once, and the rounds' MLP `head` on the requests its training split left out
+    threshold policy (`learn.threshold`, its class among `classes` chosen in each fold) on K-fold
+    predictions, every request held out once, and the rounds' MLP `head` on the requests its training split left out
     (`seed`: the seed of that split, `split_requests`), kept only where it also beats the threshold
     policy there."""
     data = combine_data([offline_states(records=r, structure=structure, latency=latency) for r in records])
@@ -141,8 +143,7 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     C = len(data.requests)
     rows = np.arange(C)
     d = policy_depths(head, data)
-    x, level = feature_table(data, THRESHOLD_FEATURE)
-    d_k = kfold_depths(x, level, data.accepted, data.seconds, data.requests, folds=folds, seed=seed)
+    d_k, chosen = nested_depths(data, classes, folds=folds, seed=seed)
     A = np.vstack([data.accepted[rows, d - 1], rep.accepted])  # [K + 1, C] row 0: the MLP, then the static trees
     t = np.vstack([data.seconds[rows, d - 1], rep.seconds])
     A_k = np.vstack([data.accepted[rows, d_k - 1], rep.accepted])  # row 0: the threshold policy, held out
@@ -155,19 +156,31 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
                   "margin": margin, "n_holdout_cycles": int(len(ho)), "sequoia_outside_template": outside, "stop_only": so}
     depth_tables = {"A_depth": data.accepted, "t_depth": data.seconds}
 
-    # the threshold policy, every request held out once
-    kf = compare_to_static(A=A_k, t=t_k, requests=data.requests, names=names, seed=seed, n_boot=n_boot)
-    kf["detectable_gain"] = float((kf["interval"][1] - kf["interval"][0]) / 2)
-    J_k = kf["J"]["policy"]
-    gain_k = J_k / so["best_fixed_J"] - 1.0
-    theta = fit_thresholds(x, level, data.accepted, data.seconds)
-    t_head = threshold_head(THRESHOLD_FEATURE, theta)
-    check_head(t_head, data, THRESHOLD_FEATURE, theta)
-    kf.update({"feature": THRESHOLD_FEATURE, "thresholds": theta.tolist(), "folds": folds, "gain_over_best_fixed": gain_k,
-               "share_of_bound": gain_k / so["bound_gain"] if so["bound_gain"] > 0 else None})
+    def held_out(A0: np.ndarray, t0: np.ndarray) -> dict:  # a policy's row 0 against the static trees, all requests
+        cmp = compare_to_static(A=np.vstack([A0, rep.accepted]), t=np.vstack([t0, rep.seconds]), requests=data.requests,
+                                names=names, seed=seed, n_boot=n_boot)
+        gain = cmp["J"]["policy"] / so["best_fixed_J"] - 1.0
+        cmp.update({"detectable_gain": float((cmp["interval"][1] - cmp["interval"][0]) / 2), "gain_over_best_fixed": gain,
+                    "share_of_bound": gain / so["bound_gain"] if so["bound_gain"] > 0 else None})
+        return cmp
+
+    # the threshold policy (its class chosen inside each fold), every request held out once; each class alone beside it
+    kf = held_out(A_k[0], t_k[0])
+    kf["classes"] = {}
+    for c in classes:
+        dc = class_depths(c, data, folds=folds, seed=seed)
+        kf["classes"][c.name] = {"feature": c.feature, **held_out(data.accepted[rows, dc - 1], data.seconds[rows, dc - 1])}
+    cls = select_class(data, classes, folds=folds, seed=seed + 1)
+    theta = cls.thresholds(data)
+    t_head = threshold_head(cls.feature, theta)
+    check_head(t_head, data, cls.feature, theta)
+    kf.update({"class": cls.name, "feature": cls.feature, "thresholds": theta.tolist(), "folds": folds,
+               "chosen_per_fold": chosen})
+    gain_k = kf["gain_over_best_fixed"]
     figs["threshold"] = kf
     lo_k, hi_k = kf["interval"]
-    said_k = (f"threshold policy ({THRESHOLD_FEATURE}) / best static tree ({kf['best_static']}) on {folds}-fold held-out "
+    said_k = (f"threshold policy (class chosen in each fold; on all records: {cls.name}) / best static tree "
+              f"({kf['best_static']}) on {folds}-fold held-out "
               f"predictions of {kf['n_requests']} record requests {kf['ratio']:.3f} [{lo_k:.3f}, {hi_k:.3f}] (smallest gain "
               f"this test detects ~{100 * kf['detectable_gain']:.1f}%; stop-only bound over the best fixed depth "
               f"+{100 * so['bound_gain']:.1f}%, of which it captures {100 * gain_k:+.1f}%)")

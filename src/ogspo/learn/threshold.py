@@ -1,24 +1,37 @@
-"""A stop policy with few parameters that nests the static trees (docs/DESIGN.md §5, "Threshold policy").
+"""Stop policies with few parameters that nest the static trees (docs/DESIGN.md §5, "Threshold policy").
 
-After drafting level d of structure S (d = 1..D-1) the policy continues only while the frontier's
-confidence clears that level's threshold: continue iff x_d > theta_d, where x_d is one state feature
-(`THRESHOLD_FEATURE`: `max_cum_prob`, the drafter's best cumulative probability of a level-d node);
-depth D always stops. Thresholds that never stop before level d (theta = -1, below every
-feature value) and always stop there (theta = 2, above) reproduce the static tree S_{<=d} exactly,
-so the class holds every fixed depth and starts from the best of them; D - 1 numbers cannot memorise
-requests the way an MLP over 11 features can.
+After drafting level d of structure S (d = 1..D-1) a policy of this kind continues only while one state
+feature clears that level's threshold: continue iff x_d > theta_d; depth D always stops. Thresholds
+that never stop before level d (theta = -1, below every feature value) and always stop there (theta = 2,
+above: every feature a class reads is a probability or a sum of probabilities of disjoint paths, so
+at most 1) reproduce the static tree S_{<=d} exactly, so a class holds every fixed depth; D - 1 numbers
+cannot memorise requests the way an MLP over the state features can.
 
-Fit (`fit_thresholds`): coordinate ascent of J = sum A / sum t over the levels, each level's candidates
-the midpoints between consecutive distinct feature values there (never a value itself, so the float32
-head decides every record cycle as the float64 search did) plus never / always stop, from the best
-fixed depth, until a pass changes nothing. Held out (`kfold_depths`): K folds over the record
-requests, each request's cycles decided by thresholds fitted on the other folds, so every request is
-held out once and the keep/drop rule (`learn.ship`) tests on all of them. Shipped as a `PolicyHead`
-whose network computes x_f - theta(level) exactly (`threshold_head`): the ONNX export, the engine's
-stop hook and the offline replay need nothing new.
+**Classes** (`STOP_CLASSES`, the simplest first): a threshold per level on the frontier's best
+cumulative probability (`max_cum_prob`), on the sum of its four best (`top4_cum_prob`, LTD's top-k draft
+scores) and on `next_gain` (the drafter's estimate of the tokens the next level adds), each searched on
+the records; and the **marginal-gain rule** (SMART/BASTION's expand-while-it-pays), which searches
+nothing: continue while next_gain > J_ref * dt_d, the tokens the next level is predicted to add against
+what its drafting and verification cost at the throughput J_ref of the best fixed depth, dt_d the
+latency model's median extra seconds of depth d + 1 over depth d on the cycles at hand.
+
+Search (`fit_thresholds`): coordinate ascent of J = sum A / sum t over the levels, each level's
+candidates the midpoints between consecutive distinct feature values there (never a value itself, so
+the float32 head decides every record cycle as the float64 search did) plus never / always stop, from
+the best fixed depth, until a pass changes nothing; one level's candidates are scored together from
+sorted partial sums (`_scan`). Held out (`kfold_depths`): K folds over the record requests, each
+request's cycles decided by thresholds fitted on the other folds, so every request is held out once and
+the keep/drop rule (`learn.ship`) tests on all of them. Which class ships is chosen inside each fold as
+well (`nested_depths`: the class with the best K-fold J on that fold's training requests), so the
+held-out figure of the chosen policy carries no winner's curse over the classes. Shipped as a
+`PolicyHead` whose network computes x_f - theta(level) exactly (`threshold_head`): the ONNX export, the
+engine's stop hook and the offline replay need nothing new.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,8 +39,9 @@ import torch
 from ogspo.learn.policy import PolicyData, PolicyHead, policy_depths
 from ogspo.methods.features import FEATURE_NAMES, N_FEATURES
 
-THRESHOLD_FEATURE = "max_cum_prob"  # the frontier's confidence the shipped policy reads (fixed, not picked on the records)
 NEVER, ALWAYS = -1.0, 2.0  # thresholds below / above every value of a probability at levels 1..D-1
+
+Fit = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (x, level, A, t) [C, D] -> theta [D - 1]
 
 
 def threshold_depths(x: np.ndarray, level: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
@@ -53,6 +67,28 @@ def _ratio(A: np.ndarray, t: np.ndarray, d: np.ndarray) -> float:
     return float(A[rows, d - 1].sum() / t[rows, d - 1].sum())
 
 
+def _scan(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarray, theta: np.ndarray, d: int,
+          cands: np.ndarray) -> np.ndarray:
+    """J of every candidate threshold of level d [K], the other levels' thresholds as in `theta`.
+
+    A cycle's depth depends on theta_d only if it reaches a decision of level d: it stops there when its
+    feature there is <= theta_d (the depth under theta_d = ALWAYS), else goes on as under theta_d = NEVER
+    (a repeated level-d state continues too). So J(theta_d) is the NEVER outcome plus the switch of the
+    cycles whose value is <= theta_d: partial sums over the cycles sorted by that value."""
+    rows = np.arange(len(x))
+    stop, go = theta.copy(), theta.copy()
+    stop[d - 1], go[d - 1] = ALWAYS, NEVER
+    d_stop, d_go = threshold_depths(x, level, stop), threshold_depths(x, level, go)  # [C]
+    A_go, t_go = A[rows, d_go - 1], t[rows, d_go - 1]
+    hit = d_stop != d_go  # the cycles that reach a level-d decision, first at column d_stop - 1
+    v = x[rows[hit], d_stop[hit] - 1]
+    order = np.argsort(v, kind="stable")
+    cA = np.concatenate([[0.0], np.cumsum((A[rows, d_stop - 1] - A_go)[hit][order])])
+    ct = np.concatenate([[0.0], np.cumsum((t[rows, d_stop - 1] - t_go)[hit][order])])
+    n = np.searchsorted(v[order], cands, side="right")  # [K] how many of them stop
+    return (A_go.sum() + cA[n]) / (t_go.sum() + ct[n])
+
+
 def fit_thresholds(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarray, *, max_passes: int = 6) -> np.ndarray:
     """Per-level thresholds [D - 1] maximising sum A / sum t of the cycles x, level, A, t [C, D] (see the
     module docstring); with D = 1 there is nothing to decide."""
@@ -70,15 +106,48 @@ def fit_thresholds(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarra
     for _ in range(max_passes):
         moved = False
         for d in range(1, D):
-            trial = np.repeat(theta[None, :], len(cands[d - 1]), axis=0)  # [K, D - 1]
-            trial[:, d - 1] = cands[d - 1]
-            Js = np.array([_ratio(A, t, threshold_depths(x, level, th)) for th in trial])
+            Js = _scan(x, level, A, t, theta, d, cands[d - 1])
             k = int(np.argmax(Js))
             if Js[k] > J * (1 + 1e-12):
-                theta, J, moved = trial[k], float(Js[k]), True
+                theta = theta.copy()
+                theta[d - 1], J, moved = cands[d - 1][k], float(Js[k]), True
         if not moved:
             break
     return theta
+
+
+def marginal_thresholds(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """The marginal-gain rule's thresholds [D - 1]: theta_d = J_ref * dt_d (J_ref: the best fixed depth's
+    sum A / sum t on these cycles; dt_d: the median over them of t(d + 1) - t(d)), rounded to float32 so
+    the shipped head compares as this does. `x` and `level` are not read: nothing is searched."""
+    J_ref = float((A.sum(0) / t.sum(0)).max())
+    dt = np.median(np.diff(t, axis=1), axis=0)  # [D - 1]
+    return np.clip(J_ref * dt, NEVER, ALWAYS).astype(np.float32).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class StopClass:
+    """One class of per-level threshold policies: the feature it reads and how its thresholds are set."""
+
+    name: str
+    feature: str
+    fit: Fit
+
+    def depths(self, data: PolicyData, theta: np.ndarray) -> np.ndarray:
+        x, level = feature_table(data, self.feature)
+        return threshold_depths(x, level, theta)
+
+    def thresholds(self, data: PolicyData) -> np.ndarray:
+        x, level = feature_table(data, self.feature)
+        return self.fit(x, level, data.accepted, data.seconds)
+
+
+STOP_CLASSES: tuple[StopClass, ...] = (
+    StopClass("threshold on max_cum_prob", "max_cum_prob", fit_thresholds),
+    StopClass("threshold on top4_cum_prob", "top4_cum_prob", fit_thresholds),
+    StopClass("threshold on next_gain", "next_gain", fit_thresholds),
+    StopClass("marginal gain", "next_gain", marginal_thresholds),
+)
 
 
 def request_folds(requests: np.ndarray, *, folds: int, seed: int) -> np.ndarray:
@@ -91,14 +160,45 @@ def request_folds(requests: np.ndarray, *, folds: int, seed: int) -> np.ndarray:
 
 
 def kfold_depths(x: np.ndarray, level: np.ndarray, A: np.ndarray, t: np.ndarray, requests: np.ndarray, *, folds: int,
-                 seed: int) -> np.ndarray:
-    """Held-out stop depths [C]: each fold's cycles (`request_folds`) decided by thresholds fitted on the others."""
+                 seed: int, fit: Fit = fit_thresholds) -> np.ndarray:
+    """Held-out stop depths [C]: each fold's cycles (`request_folds`) decided by thresholds `fit` on the others."""
     f = request_folds(requests, folds=folds, seed=seed)
     out = np.zeros(len(requests), dtype=np.int64)
     for i in np.unique(f):
         held = f == i
-        out[held] = threshold_depths(x[held], level[held], fit_thresholds(x[~held], level[~held], A[~held], t[~held]))
+        out[held] = threshold_depths(x[held], level[held], fit(x[~held], level[~held], A[~held], t[~held]))
     return out
+
+
+def class_depths(cls: StopClass, data: PolicyData, *, folds: int, seed: int) -> np.ndarray:
+    """`kfold_depths` of one class over all of `data`'s cycles. [C]"""
+    x, level = feature_table(data, cls.feature)
+    return kfold_depths(x, level, data.accepted, data.seconds, data.requests, folds=folds, seed=seed, fit=cls.fit)
+
+
+def select_class(data: PolicyData, classes: tuple[StopClass, ...], *, folds: int, seed: int) -> StopClass:
+    """The class with the highest K-fold J on `data` (the simplest, first in order, on a tie; the first
+    with fewer than two requests to fold)."""
+    if len(classes) == 1 or len(set(data.requests.tolist())) < 2:
+        return classes[0]
+    rows = np.arange(len(data.requests))
+    Js = [float(data.accepted[rows, d - 1].sum() / data.seconds[rows, d - 1].sum())
+          for d in (class_depths(c, data, folds=folds, seed=seed) for c in classes)]
+    return classes[int(np.argmax(Js))]
+
+
+def nested_depths(data: PolicyData, classes: tuple[StopClass, ...], *, folds: int, seed: int) -> tuple[np.ndarray, list[str]]:
+    """Held-out stop depths [C] of choosing a class and its thresholds on the other folds' requests (the
+    class by `select_class` within them, seed + 1), with the class each fold chose."""
+    f = request_folds(data.requests, folds=folds, seed=seed)
+    out = np.zeros(len(data.requests), dtype=np.int64)
+    chosen = []
+    for i in np.unique(f):
+        held, train = np.nonzero(f == i)[0], data.subset(np.nonzero(f != i)[0])
+        cls = select_class(train, classes, folds=folds, seed=seed + 1)
+        out[held] = cls.depths(data.subset(held), cls.thresholds(train))
+        chosen.append(cls.name)
+    return out, chosen
 
 
 def threshold_head(feature: str, thresholds: np.ndarray, *, hidden: int = 32) -> PolicyHead:

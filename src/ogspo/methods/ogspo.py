@@ -20,8 +20,8 @@ from ogspo.methods.features import FEATURE_NAMES, FEATURES_VERSION, RecentAccept
 
 class OnnxPolicy:
     """The exported head under onnxruntime (session created once), usable as the engine's stop hook:
-    `hook(tree, level, ctx)`. The context length comes from the engine's `CycleContext`, and
-    `recent_accept` is tracked from it cycle by cycle (`RecentAccept`)."""
+    `hook(tree, level, ctx)`. The context length comes from the engine's `CycleContext`, and the
+    request's `History` is tracked from it cycle by cycle (`RecentAccept`)."""
 
     def __init__(self, path: Path, *, device: str = "cpu"):
         try:
@@ -84,10 +84,10 @@ class OnnxPolicy:
         return bool(self.advantage(features)[0] <= 0)
 
     def features(self, tree: DraftTree, level: int, ctx: CycleContext) -> np.ndarray:
-        """The state features after `level` (the first level of a cycle also updates `recent_accept`). [F]"""
+        """The state features after `level` (the first level of a cycle also updates the `History`). [F]"""
         if level == 1:
             self.recent.update(ctx)
-        return state_features(tree, level, context_length=ctx.context_length, recent_accept=self.recent.value)
+        return state_features(tree, level, context_length=ctx.context_length, history=self.recent.value)
 
     def __call__(self, tree: DraftTree, level: int, ctx: CycleContext) -> bool:
         stop = self.decide(self.features(tree, level, ctx))

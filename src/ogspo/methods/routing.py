@@ -39,14 +39,11 @@ class RouterState:
 
     def features(self, ctx: CycleContext) -> np.ndarray:
         """Router features of the cycle about to be drafted (call once per cycle, in order). [F]"""
-        prev = self.recent.last_length
-        first = ctx.first_cycle or prev is None
-        commit = 0 if first else ctx.context_length - prev
-        ema = self.recent.update(ctx)
-        if first:
+        if ctx.first_cycle or self.recent.last_length is None:
             self.last_depth = None
-        return router_features(context_length=ctx.context_length, recent_accept=ema, last_commit=commit,
-                               last_depth=self.last_depth)
+        history = self.recent.update(ctx)
+        return router_features(context_length=ctx.context_length, recent_accept=history.recent_accept,
+                               last_commit=int(history.last_accept), last_depth=self.last_depth)
 
     def drafted(self, depth: int) -> None:
         self.last_depth = int(depth)
