@@ -644,3 +644,35 @@ def tiny_training(*, train_compile: bool):
     cfg.update(draft_vocab=48, seq_len=16, batch_size=2, epochs=3, warmup=2, train_dtype="float32",
                train_compile=train_compile, val_fraction=0.2)
     return model, seqs, cfg, SimpleNamespace(eos_token_id=2)
+
+
+def test_measure_drafter_takes_rounds_of_prompts_within_its_budget(tmp_path, smollm2_dir):
+    """measure_drafter decodes in rounds (one eval prompt of every workload and temperature): with a budget
+    that holds no chain round, it still runs the speed round and the first chain round, records the
+    prompts taken against those asked, and every cell has the same prompts."""
+    import polars as pl
+
+    from ogspo.drafter.eagle3 import save_eagle3
+    from ogspo.drafter.head import HeadConfig
+    from ogspo.engine.model import load_target
+    from ogspo.stages.measure_drafter import measure_drafter, render_markdown
+
+    model, _ = load_target(smollm2_dir)
+    cfg = HeadConfig.for_target(model, draft_vocab=256)
+    d2t = torch.arange(cfg.draft_vocab)
+    head = EagleHead(cfg, embed=model.get_input_embeddings().weight, lm_rows=model.get_output_embeddings().weight[d2t], d2t=d2t)
+    (tmp_path / "head").mkdir()
+    save_eagle3(head, tmp_path / "head", target_config=model.config)
+    work = tmp_path / "workloads"
+    work.mkdir()
+    for w in ("chat", "code"):
+        pl.DataFrame({"prompt_id": [0, 1, 2], "prompt": [f"{w} one", f"{w} two", f"{w} three"],
+                      "split": ["eval"] * 3}).write_parquet(work / f"{w}.parquet")
+    cut = measure_drafter(model_dir=smollm2_dir, drafter_dirs={"base": tmp_path / "head"}, workloads_dir=work,
+                          prompts_per_workload=3, max_new_tokens=6, temperatures=(0.0, 1.0), trees=((4, 2, 2),), chain_depth=2,
+                          speed_prompts_per_workload=1, minutes=1e-4)
+    assert cut.prompts_per_workload == 2 and cut.prompts_asked == 3 and cut.budget["taken"] == {"rounds": 1}
+    chains = [f for f in cut.figures if f.method.startswith("chain")]
+    assert len(chains) == 4 and {f.prompts for f in chains} == {2}
+    assert {f.prompts for f in cut.figures if not f.method.startswith("chain")} == {1}
+    assert "of the 3 asked" in render_markdown(cut)

@@ -10,7 +10,7 @@ import torch
 from engine_helpers import tiny_model
 
 from ogspo.artifacts.latency import LatencyModel
-from ogspo.artifacts.records import load_records, summarize_records, template_index
+from ogspo.artifacts.records import load_records, read_shard_meta, summarize_records, template_index
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter
 from ogspo.engine.policies import StaticTree
@@ -33,11 +33,11 @@ def _setup(max_len=256):
     return target, drafter
 
 
-def _collect(out, *, temperature=0.0, shard_size=2, prompts=PROMPTS, template=TEMPLATE, seed=0, model="m" * 64):
+def _collect(out, *, temperature=0.0, shard_size=2, prompts=PROMPTS, template=TEMPLATE, seed=0, model="m" * 64, minutes=None):
     target, drafter = _setup()
     return collect_records(
         target=target, drafter=drafter, template=template, prompts=prompts, temperature=temperature, seed=seed,
-        max_new_tokens=14, out_dir=out, shard_size=shard_size, model_checksum=model, drafter_id="ee1",
+        max_new_tokens=14, out_dir=out, shard_size=shard_size, model_checksum=model, drafter_id="ee1", minutes=minutes,
     )
 
 
@@ -282,6 +282,26 @@ def test_records_deterministic_and_resumable(tmp_path):
     assert load_records(d).cycles.drop(TIMING).equals(ra.cycles.drop(TIMING))
     # different settings (another seed) are not "complete": everything is recomputed
     assert _collect(d, temperature=1.0, shard_size=1, seed=1).computed == [0, 1, 2]
+
+
+def test_records_within_a_budget_take_a_prefix_of_the_shards_and_a_rerun_takes_the_same(tmp_path):
+    """A budget too small for a second shard takes the first only (always taken) and removes an earlier,
+    longer run's shards past the cut; complete shards count the seconds they recorded, so a rerun with a
+    budget that held two shards takes those two again without computing anything."""
+    d = tmp_path / "r"
+    full = _collect(d, temperature=1.0, shard_size=1)
+    assert full.computed == [0, 1, 2] and full.budget["seconds"] is None
+    seconds = [read_shard_meta(d / f"shard-000{i}.cycles.parquet")["seconds"] for i in range(3)]
+    assert all(x > 0 for x in seconds)
+    two = (seconds[0] + seconds[1] + 0.5 * seconds[2]) / 60  # minutes: the first two fit, the third does not
+    again = _collect(d, temperature=1.0, shard_size=1, minutes=two)
+    assert again.computed == [] and len(again.shards) == 2 and again.budget["taken"] == {"prompts": 2}
+    assert not (d / "shard-0002.cycles.parquet").exists() and not (d / "shard-0002.nodes.parquet").exists()
+    rec = load_records(d)
+    assert sorted(set(rec.cycles["request_id"].to_list())) == ["p0", "p1"]
+    one = _collect(tmp_path / "one", temperature=1.0, shard_size=1, minutes=1e-6)
+    assert one.computed == [0] and sorted((tmp_path / "one").glob("shard-*.cycles.parquet")) == [
+        tmp_path / "one" / "shard-0000.cycles.parquet"]
 
 
 # ---------------------------------------------------------------- replay

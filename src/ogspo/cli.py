@@ -267,10 +267,12 @@ def _run_collect_records(args: argparse.Namespace) -> int:
         target=target, drafter=drafter, template=Structure.full(tpl["widths"]), prompts=prompts, request_ids=ids,
         temperature=args.temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"], out_dir=args.out,
         shard_size=rc["shard_size"], model_checksum=checksum, drafter_id=drafter_id, eos_token_id=tok.eos_token_id,
+        minutes=rc["minutes"],
     )
     print(
-        f"{len(prompts)} prompts, {len(res.shards)} shards ({len(res.computed)} computed, "
-        f"{len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in {res.seconds:.0f} s -> {args.out}"
+        f"{len(prompts)} prompts asked, {len(res.shards)} shards taken ({len(res.computed)} computed, "
+        f"{len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in {res.seconds:.0f} s -> {args.out}; "
+        f"budget {res.budget}"
     )
     return 0
 
@@ -351,6 +353,7 @@ def _run_measure_drafter(args: argparse.Namespace) -> int:
         workloads_dir=args.workloads, prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
         temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
         chain_depth=m["chain_depth"], speed_prompts_per_workload=m["speed_prompts_per_workload"], seed=cfg["seed"],
+        minutes=m["minutes"],
         kernels=_read_kernels(args), device=cfg["torch_device"],
     )
     write_measure(result, args.out_json, args.out_md)

@@ -153,7 +153,7 @@ def load_records(
             raise ValueError(f"records shard {cp}: node and cycle files come from different runs")
         check_shard_meta(mc, cp, expect_model=expect_model, expect_drafter=expect_drafter, expect_template=expect_template,
                     expect_temperature=expect_temperature)
-        base = {k: v for k, v in mc.items() if k not in ("shard", "request_ids", "n_node_rows", "n_cycle_rows")}
+        base = {k: v for k, v in mc.items() if k not in ("shard", "request_ids", "n_node_rows", "n_cycle_rows", "seconds")}
         if common is None:
             common = base
         elif base != common:

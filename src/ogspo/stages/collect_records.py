@@ -48,7 +48,7 @@ Cycle table (one row per cycle):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -59,12 +59,14 @@ from ogspo.artifacts.records import (
     NODE_SCHEMA,
     SCHEMA_VERSION,
     path_str,
+    read_shard_meta,
     request_seed,
     shard_complete,
     shard_paths,
     template_index,
     write_shard_table,
 )
+from ogspo.drafter.budget import WRITE, DataBudget
 from ogspo.engine.decode import CycleTrace, SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.policies import StaticTree
@@ -79,6 +81,7 @@ class RecordsResult:
     computed: list[int]  # shard indices computed by this call (the others were complete already)
     n_cycles: int  # cycles computed by this call
     seconds: float
+    budget: dict = field(default_factory=dict)  # DataBudget.describe() of the shards taken
 
 
 def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> dict[str, list]:
@@ -149,8 +152,15 @@ def collect_records(
     drafter_id: str,
     eos_token_id: int | None = None,
     progress=None,
+    minutes: float | None = None,
 ) -> RecordsResult:
-    """Draft and verify all of `template` every cycle over `prompts`; write resumable shards to `out_dir`."""
+    """Draft and verify all of `template` every cycle over `prompts`; write resumable shards to `out_dir`.
+
+    Within `minutes` (None: every prompt): shards are taken in order while the seconds spent plus the
+    next one's predicted seconds (at the rate of the shards measured so far, `DataBudget`) fit; the first
+    is always taken. A complete shard from an earlier run counts the seconds it took then (its
+    metadata), so a rerun takes the same shards; shards past the cut are removed, so the folder holds
+    exactly the requests taken."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     if request_ids is None:
@@ -189,12 +199,20 @@ def collect_records(
     )
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     shards, computed, n_cycles = [], [], 0
+    budget = DataBudget(seconds=None if minutes is None else minutes * 60)
     for i in range(n_shards):
         meta = {**base_meta, "shard": i, "request_ids": request_ids[i * shard_size : (i + 1) * shard_size]}
         nodes_p, cycles_p = shard_paths(out_dir, i)
+        n_req = len(meta["request_ids"])
+        if not budget.admit("prompts", WRITE, n_req):
+            for f in (nodes_p, cycles_p):  # a longer earlier run's shard past the cut
+                f.unlink(missing_ok=True)
+            continue
         shards.append(cycles_p)
         if shard_complete(out_dir, i, meta):
+            budget.spend(WRITE, n_req, float(read_shard_meta(cycles_p).get("seconds", 0.0)))
             continue
+        t_shard = time.perf_counter()
         for v in nodes.values():
             v.clear()
         for v in cycles.values():
@@ -207,13 +225,15 @@ def collect_records(
                 progress(j)
         ndf = pl.DataFrame(nodes, schema=NODE_SCHEMA)
         cdf = pl.DataFrame(cycles, schema=CYCLE_SCHEMA)
-        full = {**meta, "n_node_rows": ndf.height, "n_cycle_rows": cdf.height}
+        seconds = time.perf_counter() - t_shard
+        budget.spend(WRITE, n_req, seconds)
+        full = {**meta, "n_node_rows": ndf.height, "n_cycle_rows": cdf.height, "seconds": round(seconds, 3)}
         write_shard_table(ndf, nodes_p, full)
         write_shard_table(cdf, cycles_p, full)
         computed.append(i)
         n_cycles += cdf.height
     return RecordsResult(out_dir=out_dir, shards=shards, computed=computed, n_cycles=n_cycles,
-                         seconds=time.perf_counter() - t_start)
+                         seconds=time.perf_counter() - t_start, budget=budget.describe())
 
 
 # ---------------------------------------------------------------- summary

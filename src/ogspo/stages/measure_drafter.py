@@ -8,7 +8,15 @@ complete-request throughput). And two ceilings on acceptance: how much of the ta
 each head's draft vocabulary holds on the greedy continuations of those prompts, and, at T > 0, the
 target's largest next-token probability at each chain cycle's root: drafted tokens are point-mass
 proposals (`engine.verify`), so a first drafted token is accepted with at most that probability, whatever
-the head (at T = 0 the ceiling is 1)."""
+the head (at T = 0 the ceiling is 1).
+
+**Within `minutes`.** Prompts run in rounds: round i decodes eval prompt i of every workload at every
+temperature, so a budget cut leaves every cell the same prompts. A round is started while the seconds
+spent plus the chain rounds' mean seconds so far (`DataBudget`; the speed rounds, which run more
+methods, predict nothing for the chain-only ones after them) fit the budget less what the
+teacher-forced ceilings after the rounds take (`FINISH_SHARE`); the speed rounds and the first chain
+round always run. What was taken is
+recorded (`rounds`) and `prompts_per_workload` set to it, with `minutes: null`, replays it."""
 
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ogspo.artifacts.io import write_text
+from ogspo.drafter.budget import WRITE, DataBudget
 from ogspo.drafter.recall import continuation_recall
 from ogspo.engine.decode import CycleTrace, SpeculativeEngine
 from ogspo.engine.model import load_target, model_checksum
@@ -51,12 +60,17 @@ class MethodFigures:
     first_token_ceiling: float = float("nan")
 
 
+FINISH_SHARE = 0.1  # of the budget kept for what follows the rounds (ceilings, recall, expand timing)
+
+
 @dataclass
 class MeasureResult:
     figures: list[MethodFigures]
     expand_ms: dict[int, float]  # median ms of one head level over w frontier nodes
     seconds: float
-    prompts_per_workload: int = 0
+    prompts_per_workload: int = 0  # prompts per workload the chains ran on (the rounds taken)
+    prompts_asked: int = 0  # the setting's prompts_per_workload
+    budget: dict = field(default_factory=dict)  # DataBudget.describe() of the rounds (seconds None: no budget)
     max_new_tokens: int = 0
     speed_prompts_per_workload: int = 0
     # head -> workload -> {"mass": mean target probability inside the draft vocabulary, "top1": share of the
@@ -135,11 +149,13 @@ def measure_drafter(
     seed: int = 0,
     kernels=None,
     device: str = "cpu",
+    minutes: float | None = None,
 ) -> MeasureResult:
     """Acceptance and speed of each trained head (label -> drafter folder) on held-out prompts, on
     `device`: every head runs the same policies on the same prompts, interleaved prompt by prompt.
     Chains run on every prompt; the autoregressive target and the trees on the first
-    `speed_prompts_per_workload` (None: all), where the chains' speedup is taken too."""
+    `speed_prompts_per_workload` (None: all), where the chains' speedup is taken too. Within `minutes`
+    (None: every prompt), in rounds of one prompt per workload and temperature (module docstring)."""
     t_start = time.perf_counter()
     model, tok = load_target(model_dir, device=device)
     checksum = model_checksum(model_dir)
@@ -157,57 +173,70 @@ def measure_drafter(
     if n_speed:  # (0: acceptance only)
         runs += [("", Autoregressive(), None, False)] + [(label, p, d, False) for label,
                                                          d in drafters.items() for p in tree_policies]
-    figures = []
+    n_rounds = max(len(v) for v in prompts.values())
     greedy: dict[str, list[tuple[list[int], list[int]]]] = {w: [] for w in prompts}  # T=0 continuations of the first chain
-    total = len(temperatures) * sum(len(v) for v in prompts.values())
-    bar = tqdm(total=total, desc="measure drafter", unit="prompt")
-    for temp in temperatures:
-        # no EOS: every method generates max_new_tokens, so its speedup compares the same work (at T > 0 an AR
-        # request stopping at an early EOS was timed mostly on its prefill: "2.05x" on humaneval T=1)
-        root_pmax: list[list[float]] = [[] for _ in runs]  # chains: the target's largest probability at each cycle's root
+    # no EOS: every method generates max_new_tokens, so its speedup compares the same work (at T > 0 an AR
+    # request stopping at an early EOS was timed mostly on its prefill: "2.05x" on humaneval T=1)
+    cells = [(temp, w) for temp in temperatures for w in prompts]
+    root_pmax = {c: [[] for _ in runs] for c in cells}  # chains: the target's largest probability at each cycle's root
+    acc = {c: [{"tps": [], "cycles": [], "tokens": 0, "prompts": 0} for _ in runs] for c in cells}
 
-        def observer(into: list[float], temp: float = temp):
-            def observe(trace: CycleTrace) -> None:
-                into.append(1.0 if temp == 0 else float(target_probs(trace.logits[:1].cpu(), temperature=temp).max()))
-            return observe
+    def observer(into: list[float], temp: float):
+        def observe(trace: CycleTrace) -> None:
+            into.append(1.0 if temp == 0 else float(target_probs(trace.logits[:1].cpu(), temperature=temp).max()))
+        return observe
 
-        engines = [SpeculativeEngine(target=target, policy=p, drafter=d, temperature=temp, eos_token_id=None,
-                                     cycle_observer=observer(pm) if every else None)
-                   for (_, p, d, every), pm in zip(runs, root_pmax)]
-        for workload, plist in prompts.items():
-            acc: list[dict] = [{"tps": [], "cycles": [], "tokens": 0, "prompts": 0} for _ in runs]
-            for pm in root_pmax:
-                pm.clear()
-            for i, prompt in enumerate(plist):
-                for (_, _, _, every), a, eng in zip(runs, acc, engines):
-                    if not every and i >= n_speed:
-                        continue
-                    res = eng.generate(prompt, max_new_tokens=max_new_tokens, seed=seed + i)
-                    if temp == 0 and eng is engines[0]:
-                        greedy[workload].append((list(prompt), list(res.tokens)))
-                    a["tps"].append(res.throughput)
-                    a["cycles"].extend(c.accepted for c in res.cycles)
-                    a["tokens"] += len(res.tokens)
-                    a["prompts"] += 1
-                bar.update(1)
-            base = np.array(acc[len(drafters)]["tps"] if n_speed else [])
-            for (label, p, _, _), a, pm in zip(runs, acc, root_pmax):
-                cyc = np.array(a["cycles"]) - 1  # drafted tokens accepted per cycle
-                by_depth, trials = [], []
-                if p.name.startswith("chain") and len(cyc):
-                    for d in range(1, chain_depth + 1):
-                        reach = int((cyc >= d - 1).sum())
-                        by_depth.append(float((cyc >= d).sum() / reach) if reach else 0.0)
-                        trials.append(reach)
-                tps = np.array(a["tps"])
-                figures.append(MethodFigures(
-                    workload=workload, temperature=temp, method=p.name, head=label,
-                    tau=float(np.mean(a["cycles"])) if a["cycles"] else 1.0,
-                    throughput=float(np.median(tps[:n_speed])) if n_speed else float("nan"),
-                    speedup=float(np.median(tps[: len(base)] / base)) if len(base) else float("nan"),
-                    tokens=int(a["tokens"]), accept_by_depth=by_depth, depth_trials=trials, prompts=a["prompts"],
-                    first_token_ceiling=float(np.mean(pm)) if pm else float("nan"),
-                ))
+    engines = {c: [SpeculativeEngine(target=target, policy=p, drafter=d, temperature=c[0], eos_token_id=None,
+                                     cycle_observer=observer(pm, c[0]) if every else None)
+                   for (_, p, d, every), pm in zip(runs, root_pmax[c])] for c in cells}
+    budget = DataBudget(seconds=None if minutes is None else minutes * 60 * (1 - FINISH_SHARE))
+    budget.charge(time.perf_counter() - t_start)  # loading
+    bar = tqdm(total=n_rounds * len(cells), desc="measure drafter", unit="prompt")
+    taken = 0  # rounds run
+    for i in range(n_rounds):
+        # a speed round runs more methods than the chain rounds: it is always taken and predicts none of them
+        if i >= n_speed and not budget.admit("rounds", WRITE, 1):
+            break
+        t0, taken = time.perf_counter(), i + 1
+        for temp, workload in cells:
+            plist = prompts[workload]
+            if i >= len(plist):
+                continue
+            for (_, _, _, every), a, eng in zip(runs, acc[temp, workload], engines[temp, workload]):
+                if not every and i >= n_speed:
+                    continue
+                res = eng.generate(plist[i], max_new_tokens=max_new_tokens, seed=seed + i)
+                if temp == 0 and eng is engines[temp, workload][0]:
+                    greedy[workload].append((list(plist[i]), list(res.tokens)))
+                a["tps"].append(res.throughput)
+                a["cycles"].extend(c.accepted for c in res.cycles)
+                a["tokens"] += len(res.tokens)
+                a["prompts"] += 1
+            bar.update(1)
+        if i >= n_speed:
+            budget.spend(WRITE, 1, time.perf_counter() - t0)
+        else:
+            budget.charge(time.perf_counter() - t0)
+    figures = []
+    for temp, workload in cells:
+        base = np.array(acc[temp, workload][len(drafters)]["tps"] if n_speed else [])
+        for (label, p, _, _), a, pm in zip(runs, acc[temp, workload], root_pmax[temp, workload]):
+            cyc = np.array(a["cycles"]) - 1  # drafted tokens accepted per cycle
+            by_depth, trials = [], []
+            if p.name.startswith("chain") and len(cyc):
+                for d in range(1, chain_depth + 1):
+                    reach = int((cyc >= d - 1).sum())
+                    by_depth.append(float((cyc >= d).sum() / reach) if reach else 0.0)
+                    trials.append(reach)
+            tps = np.array(a["tps"])
+            figures.append(MethodFigures(
+                workload=workload, temperature=temp, method=p.name, head=label,
+                tau=float(np.mean(a["cycles"])) if a["cycles"] else 1.0,
+                throughput=float(np.median(tps[:n_speed])) if n_speed else float("nan"),
+                speedup=float(np.median(tps[: len(base)] / base)) if len(base) else float("nan"),
+                tokens=int(a["tokens"]), accept_by_depth=by_depth, depth_trials=trials, prompts=a["prompts"],
+                first_token_ceiling=float(np.mean(pm)) if pm else float("nan"),
+            ))
     bar.close()
     coverage = {label: {w: vocab_coverage(target, d.head.d2t, texts) for w, texts in greedy.items() if texts}
                 for label, d in drafters.items()}
@@ -216,13 +245,15 @@ def measure_drafter(
     first = next(iter(prompts.values()))[0]
     expand_ms = time_expand(first_drafter, first, target) if n_speed else {}
     return MeasureResult(figures=figures, expand_ms=expand_ms, seconds=time.perf_counter() - t_start,
-                         prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,
-                         speed_prompts_per_workload=n_speed, vocab_coverage=coverage, recall=recall)
+                         prompts_per_workload=taken, prompts_asked=prompts_per_workload,
+                         max_new_tokens=max_new_tokens, speed_prompts_per_workload=n_speed, vocab_coverage=coverage,
+                         recall=recall, budget=budget.describe())
 
 
 def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
     data = {"figures": [asdict(f) for f in result.figures], "expand_ms": result.expand_ms, "seconds": result.seconds,
-            "prompts_per_workload": result.prompts_per_workload, "max_new_tokens": result.max_new_tokens,
+            "prompts_per_workload": result.prompts_per_workload, "prompts_asked": result.prompts_asked,
+            "budget": result.budget, "max_new_tokens": result.max_new_tokens,
             "speed_prompts_per_workload": result.speed_prompts_per_workload, "vocab_coverage": result.vocab_coverage,
             "recall": result.recall}
     write_text(out_json, json.dumps(data, indent=1))
@@ -230,7 +261,10 @@ def write_measure(result: MeasureResult, out_json: Path, out_md: Path) -> None:
 
 
 def render_markdown(result: MeasureResult) -> str:
-    lines = [f"Chains on {result.prompts_per_workload} eval prompts per workload, the others (and every speedup) on the first "
+    cut = ("" if result.prompts_per_workload >= result.prompts_asked else
+           f" (of the {result.prompts_asked} asked: what `measure_drafter.minutes` held on this machine)")
+    lines = [f"Chains on {result.prompts_per_workload} eval prompts per workload{cut}, the others (and every speedup) on the "
+             "first "
              f"{result.speed_prompts_per_workload}; {result.max_new_tokens} new tokens per request. Acceptance by depth d is "
              "P(depth d accepted | depth d-1 reached), over the cycles that reached d-1 (in brackets). The first-token "
              "ceiling is the target's mean largest probability at the chains' roots: a drafted token is a point mass, "
