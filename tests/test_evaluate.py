@@ -382,3 +382,23 @@ def test_records_figures_leave_out_a_sequoia_tree_outside_the_template():
     figs = records_figures(oracle={"T0": 25.0, "T1": 24.0}, sequoia={"T0": inside, "T1": outside}, rounds=rounds)
     assert figs["T0"] == {"oracle": 25.0, "ar": 18.0, "static": 20.0, "policy": 21.0}
     assert figs["T1"] == {"oracle": 24.0, "ar": 18.0}
+
+
+def test_evaluate_runs_rounds_of_slot_pairs_within_its_budget(models):
+    """With a budget that holds no round, the first pair of slots of every cell still runs (light methods
+    on their first slot), and the settings name the prompts taken and those asked; without one, all."""
+    target_model, target, drafter = models
+    prompts = {w: [(f"{w}{i}", [5 + i, 9, 13, 2 + len(w)]) for i in range(5)] for w in ("alpha", "beta")}
+    specs = method_specs(methods=["ar", "chain"], chains=[2], eagle_default=[8, 3, 3])
+    run = dict(target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=[0.0, 1.0], max_new_tokens=4,
+               repeats=1, seed=0, reference_model=target_model, light_methods=("chain",), light_prompts=1)
+    cut = evaluate_methods(**run, minutes=1e-6)
+    df = cut.frame()
+    assert sorted(set(df["prompt_id"])) == ["alpha0", "alpha1", "beta0", "beta1"]
+    assert df.filter(pl.col("method") == "chain2")["prompt_id"].sort().to_list() == ["alpha0", "alpha0", "beta0", "beta0"]
+    assert df.height == 2 * 2 * (2 + 1)  # temperatures x workloads x (ar on both slots, chain on the first)
+    assert cut.settings["prompts"] == {"alpha": ["alpha0", "alpha1"], "beta": ["beta0", "beta1"]}
+    assert cut.settings["prompts_asked"] == 5 and cut.settings["budget"]["taken"] == {"rounds": 1}
+    whole = evaluate_methods(**run, minutes=None)
+    assert whole.frame().filter(pl.col("method") == "ar").height == 2 * 2 * 5
+    assert whole.settings["prompts"]["beta"] == [f"beta{i}" for i in range(5)]

@@ -590,7 +590,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
         latency=latency, oracle=oracle, policy_device=cfg["torch_device"],
         light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
-        progress=lambda line: print(line, flush=True),
+        progress=lambda line: print(line, flush=True), minutes=ev["minutes"],
     )
     write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)
     print(render_summary(res.summary))

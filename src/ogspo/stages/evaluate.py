@@ -34,6 +34,7 @@ from ogspo.artifacts.records import temperature_tag
 from ogspo.engine.decode import GenerationResult
 from ogspo.engine.kernels import cpu_model
 from ogspo.engine.lossless import compare_greedy
+from ogspo.drafter.budget import WRITE, DataBudget
 from ogspo.engine.policies import DynamicTree
 from ogspo.methods.harness import MethodEngine, SpeedProbe, make_method_engine, pair_seed, run_request, slot_order, slot_seed
 from ogspo.methods.ogspo import OgspoTree
@@ -171,6 +172,7 @@ def evaluate_methods(
     light_methods: tuple[str, ...] = (),
     light_prompts: int = 0,
     progress: Callable[[str], None] | None = None,
+    minutes: float | None = None,
 ) -> EvaluateResult:
     """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
     by request, in mirrored seeded orders per pair of request slots (`slot_order`). Every method of a
@@ -182,7 +184,12 @@ def evaluate_methods(
     mismatches at T=0; a real mismatch raises `LosslessError` at once. The calib-picked best baseline
     per cell is read from the `eagle-tuned` artifact (`tune_eagle`). One loop on purpose (~85 lines):
     a slot's order, untimed prefill, timed requests, lossless check and rows stay together, so every
-    method of a slot runs under the same conditions."""
+    method of a slot runs under the same conditions.
+
+    **Rounds within `minutes`** (None: every prompt). The slots run in rounds of one mirrored pair
+    (slots 2k and 2k+1) of every cell, so every cell has the same prompts whenever the work stops. A
+    round is started while the seconds spent plus the mean seconds of the rounds without light methods
+    so far (`DataBudget`) fit; the rounds with light methods and the first one without always run."""
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats} and {max_new_tokens}")
     if REFERENCE not in {m.kind for m in methods}:
@@ -201,19 +208,35 @@ def evaluate_methods(
     ref_name = next(m.name for m in methods if m.kind == REFERENCE)
     providers: dict[str, dict] = {}
     speed = SpeedProbe() if latency is not None else None
-    for temp in temperatures:
+    cells = [(temp, workload) for temp in temperatures for workload in prompts]
+    engines: dict[tuple[float, str], list[MethodEngine]] = {}
+    for temp, workload in cells:
         tag = temperature_tag(temp)
-        if TUNED in {m.kind for m in methods} and TUNED in artifacts:
+        if TUNED in {m.kind for m in methods} and TUNED in artifacts and tag not in calib_best:
             calib_best[tag], stability[tag] = read_calib_best(Path(artifacts[TUNED].format(T=tag)))
-        for workload, plist in prompts.items():
-            engines = _cell_engines(methods, temp=temp, workload=workload, artifacts=artifacts, policy_device=policy_device,
-                                    target=target, drafter=drafter, providers=providers, tuned=tuned.setdefault(tag, {}))
-            ref_engine = next(me for me in engines if me.spec.kind == REFERENCE)
-            for repeat in range(repeats):
-                for index, (prompt_id, prompt) in enumerate(plist):
+        engines[temp, workload] = _cell_engines(methods, temp=temp, workload=workload, artifacts=artifacts,
+                                                policy_device=policy_device, target=target, drafter=drafter,
+                                                providers=providers, tuned=tuned.setdefault(tag, {}))
+    budget = DataBudget(seconds=None if minutes is None else minutes * 60)
+    budget.charge(time.perf_counter() - t_start)
+    n_slots = max(len(v) for v in prompts.values())
+    taken = 0  # slots run per cell in the first repeat
+    for repeat in range(repeats):
+        for first in range(0, n_slots, 2):  # a round: the mirrored pair of slots first, first + 1 of every cell
+            light = first < light_prompts
+            if not light and not budget.admit("rounds", WRITE, 1):
+                break
+            t_round = time.perf_counter()
+            for index in range(first, min(first + 2, n_slots)):
+                for temp, workload in cells:
+                    if index >= len(prompts[workload]):
+                        continue
+                    prompt_id, prompt = prompts[workload][index]
+                    cell = engines[temp, workload]
+                    ref_engine = next(me for me in cell if me.spec.kind == REFERENCE)
                     rseed = slot_seed(seed, workload, prompt_id, repeat)
-                    order = slot_order(len(engines), pair_seed(seed, temp, workload, index, repeat), index)
-                    here = [engines[j] for j in order if engines[j].spec.kind not in light_methods or index < light_prompts]
+                    order = slot_order(len(cell), pair_seed(seed, temp, workload, index, repeat), index)
+                    here = [cell[j] for j in order if cell[j].spec.kind not in light_methods or index < light_prompts]
                     ref_engine.engine.target.prefill(prompt)  # untimed: the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
                     for pos, me in enumerate(here):
@@ -230,8 +253,14 @@ def evaluate_methods(
                                                    repeat=repeat, ref_model=ref_model, tie_margin=tie_margin, near=near)
                     rows.extend(out[me.spec.name] for me in here)
                     if progress:
-                        progress(f"{tag} {workload} {prompt_id} r{repeat}: " + ", ".join(
+                        progress(f"{temperature_tag(temp)} {workload} {prompt_id} r{repeat}: " + ", ".join(
                             f"{me.spec.name} {out[me.spec.name].throughput:.1f}" for me in here))
+            if repeat == 0:
+                taken = min(first + 2, n_slots)
+            if light:
+                budget.charge(time.perf_counter() - t_round)
+            else:
+                budget.spend(WRITE, 1, time.perf_counter() - t_round)
     frame = requests_frame(rows)
     oracle = {k: float(v) for k, v in (oracle or {}).items()}
     return EvaluateResult(
@@ -242,7 +271,8 @@ def evaluate_methods(
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,
                   "tune_winner_stability": stability, "target": target_description(target),
-                  "prompts": {w: [p for p, _ in v] for w, v in prompts.items()}},
+                  "prompts": {w: [p for p, _ in v][:taken] for w, v in prompts.items()},
+                  "prompts_asked": n_slots, "budget": budget.describe()},
     )
 
 
