@@ -385,20 +385,21 @@ def test_records_figures_leave_out_a_sequoia_tree_outside_the_template():
 
 
 def test_evaluate_runs_rounds_of_slot_pairs_within_its_budget(models):
-    """With a budget that holds no round, the first pair of slots of every cell still runs (light methods
-    on their first slot), and the settings name the prompts taken and those asked; without one, all."""
+    """With a budget that holds no round, the round holding the light methods (slots 0 and 1) and the
+    first round without them (slots 2 and 3) still run in every cell, and the settings name the prompts
+    taken and those asked; without a budget, every prompt."""
     target_model, target, drafter = models
-    prompts = {w: [(f"{w}{i}", [5 + i, 9, 13, 2 + len(w)]) for i in range(5)] for w in ("alpha", "beta")}
+    prompts = {w: [(f"{w}{i}", [5 + i, 9, 13, 2 + len(w)]) for i in range(6)] for w in ("alpha", "beta")}
     specs = method_specs(methods=["ar", "chain"], chains=[2], eagle_default=[8, 3, 3])
     run = dict(target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=[0.0, 1.0], max_new_tokens=4,
                repeats=1, seed=0, reference_model=target_model, light_methods=("chain",), light_prompts=1)
     cut = evaluate_methods(**run, minutes=1e-6)
     df = cut.frame()
-    assert sorted(set(df["prompt_id"])) == ["alpha0", "alpha1", "beta0", "beta1"]
+    assert sorted(set(df["prompt_id"])) == [f"{w}{i}" for w in ("alpha", "beta") for i in range(4)]
     assert df.filter(pl.col("method") == "chain2")["prompt_id"].sort().to_list() == ["alpha0", "alpha0", "beta0", "beta0"]
-    assert df.height == 2 * 2 * (2 + 1)  # temperatures x workloads x (ar on both slots, chain on the first)
-    assert cut.settings["prompts"] == {"alpha": ["alpha0", "alpha1"], "beta": ["beta0", "beta1"]}
-    assert cut.settings["prompts_asked"] == 5 and cut.settings["budget"]["taken"] == {"rounds": 1}
+    assert df.height == 2 * 2 * (4 + 1)  # temperatures x workloads x (ar on 4 slots, chain on the first)
+    assert cut.settings["prompts"] == {w: [f"{w}{i}" for i in range(4)] for w in ("alpha", "beta")}
+    assert cut.settings["prompts_asked"] == 6 and cut.settings["budget"]["taken"] == {"rounds": 1}
     whole = evaluate_methods(**run, minutes=None)
-    assert whole.frame().filter(pl.col("method") == "ar").height == 2 * 2 * 5
-    assert whole.settings["prompts"]["beta"] == [f"beta{i}" for i in range(5)]
+    assert whole.frame().filter(pl.col("method") == "ar").height == 2 * 2 * 6
+    assert whole.settings["prompts"]["beta"] == [f"beta{i}" for i in range(6)]

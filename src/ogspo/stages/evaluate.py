@@ -31,10 +31,10 @@ from ogspo.analysis.summary import summarize_requests
 from ogspo.artifacts.io import atomic_write, write_json
 from ogspo.artifacts.oracle import read_oracle
 from ogspo.artifacts.records import temperature_tag
+from ogspo.drafter.budget import WRITE, DataBudget
 from ogspo.engine.decode import GenerationResult
 from ogspo.engine.kernels import cpu_model
 from ogspo.engine.lossless import compare_greedy
-from ogspo.drafter.budget import WRITE, DataBudget
 from ogspo.engine.policies import DynamicTree
 from ogspo.methods.harness import MethodEngine, SpeedProbe, make_method_engine, pair_seed, run_request, slot_order, slot_seed
 from ogspo.methods.ogspo import OgspoTree
