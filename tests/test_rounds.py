@@ -478,7 +478,11 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     out = tmp_path / "rounds"
     write_rounds(res, out, seed=0, records_dirs=[str(records)], ship=ship)
     assert not (out / "policy.pt").exists()
-    assert json.loads((out / "rounds.json").read_text())["ship"]["keep_policy"] is False
+    written = json.loads((out / "rounds.json").read_text())["ship"]
+    assert written["keep_policy"] is False
+    from ogspo.analysis.markdown import render_shipping  # the report's table of every class, from rounds.json as written
+    table = [line for line in render_shipping({"T0": written}) if line.startswith("  | ")]
+    assert len(table) == 1 + len(written["threshold"]["classes"]) + 1 and len(written["threshold"]["classes"]) >= 4
     exp = run_export_policy(rounds_dir=out, out_dir=tmp_path / "policy")
     assert exp.export is None and not (tmp_path / "policy" / "policy.onnx").exists()
     method = make_policy("ogspo", policy_path=tmp_path / "policy")

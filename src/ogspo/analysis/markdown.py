@@ -247,12 +247,12 @@ def render_shipping(shipping: Mapping[str, dict]) -> list[str]:
                 f"d={so['best_fixed_depth']} ({so['best_fixed_J']:.1f})")
             lines.append(f"  - {w}: {v['shipped']} ({n} nodes; J on its record cycles "
                          + ", ".join(f"{k} {x:.1f}" for k, x in v.get("J", {}).items()) + bound + ")")
-        lines += render_stop_classes(tag, sh.get("figures") or {})
+        lines += render_stop_classes(tag, sh)  # rounds.json "ship" holds the figures at its top level
     return lines + [""]
 
 
 def render_stop_classes(tag: str, figures: Mapping) -> list[str]:
-    """The keep/drop rule's held-out test of each stop-policy class (rounds.json ship.figures): the
+    """The keep/drop rule's held-out test of each stop-policy class (rounds.json "ship"): the
     stop-only bound of S, each class's and the chosen policy's gain over the best fixed depth, its share
     of that bound, its ratio to the best static tree with the interval, and the smallest gain the test sees."""
     th, so = figures.get("threshold"), figures.get("stop_only")
