@@ -579,25 +579,33 @@ def test_training_steps_fit_the_deadline_or_are_fixed(tmp_path):
     assert fixed.steps == 5
 
 
-@pytest.mark.parametrize("bf16, steps, calls, chosen", [
-    (0.3, 1000, {"float32": 3, "bfloat16": 3}, "bfloat16"),  # both timed: bf16 where the CPU computes it
-    (2.0, 1000, {"float32": 3, "bfloat16": 1}, "float32"),  # bf16 emulated: dropped after its warm-up
-    (0.3, 10, {"float32": 3}, "float32"),  # 5 s of fp32 training: bf16 not worth timing
+@pytest.mark.parametrize("bf16, bf16_cut, steps, calls, chosen, keys", [
+    # both timed: bf16 where the CPU computes it (the cut's comparison, a warm-up each, two reps each)
+    (0.3, 0.3, 1000, {("float32", 8): 3, ("float32", 1): 2, ("bfloat16", 1): 2, ("bfloat16", 8): 3}, "bfloat16",
+     {"float32", "bfloat16"}),
+    # bf16 emulated: dropped on the cut, never stepped on the whole batch
+    (2.0, 2.0, 1000, {("float32", 8): 3, ("float32", 1): 2, ("bfloat16", 1): 2}, "float32",
+     {"float32", "float32 on the cut", "bfloat16 on the cut"}),
+    # fast on the cut, slow on the batch: dropped after its warm-up there
+    (2.0, 0.3, 1000, {("float32", 8): 3, ("float32", 1): 2, ("bfloat16", 1): 2, ("bfloat16", 8): 1}, "float32",
+     {"float32", "bfloat16"}),
+    # 5 s of fp32 training: bf16 not worth timing
+    (0.3, 0.3, 10, {("float32", 8): 3}, "float32", {"float32"}),
 ])
-def test_the_training_dtype_is_timed_only_where_the_timing_can_pay(monkeypatch, bf16, steps, calls, chosen):
+def test_the_training_dtype_is_timed_only_where_the_timing_can_pay(monkeypatch, bf16, bf16_cut, steps, calls, chosen, keys):
     from ogspo.drafter import train
 
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, int], int] = {}
 
     def fake_step(head, batch, cfg, dtype):
-        name = str(dtype).removeprefix("torch.")
-        seen[name] = seen.get(name, 0) + 1
-        return {"float32": 0.5, "bfloat16": bf16}[name]
+        name, rows = str(dtype).removeprefix("torch."), batch[0].shape[0]  # 8 rows: the batch; 1: the cut
+        seen[name, rows] = seen.get((name, rows), 0) + 1
+        return {"float32": 0.5, "bfloat16": bf16 if rows > 1 else bf16_cut}[name]
 
     monkeypatch.setattr(train, "step_seconds", fake_step)
     head = torch.nn.Linear(2, 2)
-    dtype, timing = train.choose_train_dtype(head, (torch.zeros(1),), {"train_dtype": "auto"}, steps=steps)
-    assert seen == calls and str(dtype) == f"torch.{chosen}" and set(timing) == set(calls)
+    dtype, timing = train.choose_train_dtype(head, (torch.zeros(8, 64),), {"train_dtype": "auto"}, steps=steps)
+    assert seen == calls and str(dtype) == f"torch.{chosen}" and set(timing) == keys
 
 
 def test_top_k_recall_by_depth_grows_with_k_and_its_top_1_is_the_training_agreement():

@@ -440,7 +440,13 @@ def step_seconds(head: EagleHead, batch, cfg: dict, dtype: torch.dtype) -> float
 
 
 DTYPE_TIMING_MIN_SECONDS = 60  # fp32 training shorter than this is not timed against bf16: the timing would cost more
-DTYPE_DROP = 3.0  # a dtype whose warm-up step takes this many times the fastest one's is not timed further
+DTYPE_DROP = 3.0  # a dtype whose step takes this many times the fastest one's is not timed further
+PROBE_SHAPE = (1, 32)  # rows and positions of the batch cut the dtypes are first compared on
+
+
+def probe_batch(batch, rows: int = PROBE_SHAPE[0], positions: int = PROBE_SHAPE[1]):
+    """The first `rows` rows and `positions` positions of a training batch (every tensor [B, T, ...])."""
+    return tuple(t[:rows, :positions] for t in batch)
 
 
 def choose_train_dtype(head: EagleHead, batch, cfg: dict, *, steps: int, reps: int = 2) -> tuple[torch.dtype, dict]:
@@ -448,16 +454,25 @@ def choose_train_dtype(head: EagleHead, batch, cfg: dict, *, steps: int, reps: i
     CUDA and, on a CPU, the faster of fp32 and bf16 autocast timed on `batch` (forward and backward,
     after one warm-up each, interleaved): bf16 pays where the CPU computes it (AVX512-BF16, AMX) and
     is emulated, several times slower, where it does not. Where `steps` fp32 steps would take under
-    `DTYPE_TIMING_MIN_SECONDS` fp32 is kept untimed against bf16, and a dtype whose warm-up step takes
-    `DTYPE_DROP` times the other's is not timed further (on a CPU without bf16 a quick run's timing
-    took 71 s for 7 s of training). Returns the dtype and the median step seconds of each dtype timed
-    (a dtype dropped after its warm-up: that step's seconds)."""
+    `DTYPE_TIMING_MIN_SECONDS` fp32 is kept untimed against bf16. bf16 is first compared with fp32 on
+    a cut of the batch (`probe_batch`: a second step each, the first warming up), and not timed on
+    the whole batch where it takes `DTYPE_DROP` times fp32 there (on a CPU without bf16 its warm-up
+    step on the batch took 52-55 s against 1.6 s in fp32); nor further where its warm-up step does.
+    Returns the dtype and the median step seconds of each dtype timed (a dtype dropped after its
+    warm-up: that step's seconds; after the cut's comparison: "<dtype> on the cut" and fp32's there)."""
     name = cfg["train_dtype"]
     if name == "auto" and batch[0].device.type != "cpu":
         name = "bfloat16"
     timed = TRAIN_DTYPES if name == "auto" else {name: TRAIN_DTYPES[name]}
     warm: dict[str, float] = {}
+    probed: dict[str, float] = {}
     for k, dt in timed.items():  # fp32 first
+        if name == "auto" and k != "float32":
+            cut = probe_batch(batch)
+            on_cut = {j: [step_seconds(head, cut, cfg, TRAIN_DTYPES[j]) for _ in range(2)][-1] for j in ("float32", k)}
+            if on_cut[k] > DTYPE_DROP * on_cut["float32"]:
+                probed = {f"{j} on the cut": v for j, v in on_cut.items()}
+                continue
         warm[k] = step_seconds(head, batch, cfg, dt)
         if name == "auto" and k == "float32" and warm[k] * steps < DTYPE_TIMING_MIN_SECONDS:
             break
@@ -468,7 +483,7 @@ def choose_train_dtype(head: EagleHead, batch, cfg: dict, *, steps: int, reps: i
             times[k].append(step_seconds(head, batch, cfg, dt))
     head.zero_grad(set_to_none=True)
     medians = warm | {k: float(np.median(v)) for k, v in times.items()}
-    return TRAIN_DTYPES[min(medians, key=medians.get)], medians
+    return TRAIN_DTYPES[min(medians, key=medians.get)], medians | probed
 
 
 COMPILE_MIN_SECONDS = 300  # eager training time from which `train_compile: auto` compiles (a compilation: ~1 min, 2-core CPU)
