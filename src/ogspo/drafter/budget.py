@@ -16,6 +16,10 @@ writes, reads or trains slower gets a prefix of it, sized from the rates measure
 
 What was taken is recorded (`DataBudget.sizes`, the steps) in `drafter.json`; `drafter.sizes` set to
 that record rebuilds exactly those blocks and steps, whatever the time (a reproducible rerun).
+
+The same admission sizes the stages that decode requests after it (`stages.measure_drafter`,
+`stages.collect_records`, `stages.evaluate`): there a block is a round of prompts or a records shard,
+of kind WRITE, and the work that always runs is `charge`d rather than predicting the rest.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ temperature, so a budget cut leaves every cell the same prompts. A round is star
 spent plus the chain rounds' mean seconds so far (`DataBudget`; the speed rounds, which run more
 methods, predict nothing for the chain-only ones after them) fit the budget less what the
 teacher-forced ceilings after the rounds take (`FINISH_SHARE`); the speed rounds and the first chain
-round always run. What was taken is
-recorded (`rounds`) and `prompts_per_workload` set to it, with `minutes: null`, replays it."""
+round always run. What was taken is recorded (`rounds`), and `prompts_per_workload` set to it with
+`minutes: null` replays it."""
 
 from __future__ import annotations
 
