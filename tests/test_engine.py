@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from engine_helpers import check_tree_forward, hf_greedy, tiny_model
+from engine_helpers import check_tree_forward, hf_greedy, make_head, tiny_model
 
+from ogspo.drafter.runtime import EagleDrafter
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.drafters import LMDrafter, PromptLookupDrafter
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, chain
@@ -90,6 +91,39 @@ def test_replay_same_seed_same_output_at_temperature_one():
     assert runs[0] == runs[1]
     other = engine.generate(PROMPTS[1], max_new_tokens=30, seed=124)
     assert other.tokens != runs[0][0]
+
+
+@pytest.mark.parametrize("backend", ["llama", "hf"])
+@pytest.mark.parametrize("drafter_kind", ["lm", "lookup", "eagle"])
+def test_forked_requests_stepped_in_turn_decode_as_alone(backend, drafter_kind):
+    """Engines on forks of one target and one drafter (`TreeLM.fork`, `TreeDrafter.fork`), their
+    requests started and stepped in turn, cycle by cycle, give every request the tokens and cycles
+    it gets alone (T=0 and T=1), and the forks' caches are their own (the weights are not copied)."""
+    target_model = tiny_model(0)
+    head = make_head(target_model) if drafter_kind == "eagle" else None
+    drafter = {"lm": lambda: LMDrafter(build_tree_lm(tiny_model(1), max_len=128)), "lookup": PromptLookupDrafter,
+               "eagle": lambda: EagleDrafter(head, max_len=128)}[drafter_kind]()
+    target = build_tree_lm(target_model, backend=backend, max_len=128, feature_layers=drafter.feature_layers)
+    pols = [Autoregressive, lambda: chain(3), lambda: DynamicTree(total_tokens=12, depth=4, top_k=3)]
+    for temperature in (0.0, 1.0):
+        alone = [SpeculativeEngine(target=target, policy=p(), drafter=drafter, temperature=temperature).generate(
+            PROMPTS[2], max_new_tokens=24, seed=5) for p in pols]
+        forks = [(target.fork(), drafter.fork()) for _ in pols]
+        assert forks[0][0].cache is not forks[1][0].cache and forks[0][1] is not forks[1][1]
+        engines = [SpeculativeEngine(target=t, policy=p(), drafter=d, temperature=temperature) for p, (t, d) in zip(pols, forks)]
+        gens = [e.start(PROMPTS[2], max_new_tokens=24, seed=5) for e in engines]
+        while not all(g.done for g in gens):
+            for e, g in zip(engines, gens):
+                if not g.done:
+                    e.step(g)
+        for a, g in zip(alone, gens):
+            assert g.tokens == a.tokens and [c.accepted for c in g.cycles] == [c.accepted for c in a.cycles]
+        if temperature == 0:
+            assert gens[0].tokens == hf_greedy(target_model, PROMPTS[2], 24)
+    if backend == "llama":
+        assert forks[0][0].mm is target.mm  # the matmuls (weights, packed copies) are shared
+    with pytest.raises(ValueError, match="the request is done"):
+        engines[0].step(gens[0])
 
 
 def test_bad_inputs_give_one_clear_line():

@@ -16,11 +16,12 @@ from ogspo.analysis.summary import summarize_requests
 from ogspo.artifacts.structure import write_structure
 from ogspo.engine import decode
 from ogspo.engine.drafters import LMDrafter
+from ogspo.engine.policies import Autoregressive, chain
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.engine.verify import Verdict
 from ogspo.learn.export import export_policy
-from ogspo.methods.harness import slot_order
+from ogspo.methods.harness import engine_handles, make_method_engine, run_interleaved, slot_order
 from ogspo.methods.registry import method_specs, structure_policy
 from ogspo.stages.evaluate import LosslessError, evaluate_methods, write_evaluation
 from ogspo.stages.tune_eagle import tune_eagle, write_tuning
@@ -73,6 +74,37 @@ def test_slot_orders_come_in_mirrored_pairs():
         for j in range(5):
             if i != j:
                 assert (first.index(i) < first.index(j)) + (second.index(i) < second.index(j)) == 1
+
+
+def test_interleaved_methods_advance_together(models, monkeypatch):
+    """`run_interleaved` steps the least advanced request next (so every method's tokens spread over the
+    same stretch of time), refuses engines sharing a cache, and gives each method its tokens alone."""
+    target_model, target, drafter = models
+    specs = method_specs(methods=["ar", "chain"], chains=[2, 4], eagle_default=[8, 3, 3])
+    pols = [Autoregressive(), chain(2), chain(4)]
+    shared = [make_method_engine(s, p, target=target, drafter=drafter, temperature=0.0) for s, p in zip(specs, pols)]
+    with pytest.raises(ValueError, match="a target and a drafter of its own"):
+        run_interleaved(shared, PROMPTS["alpha"][0][1], max_new_tokens=MAX_NEW, seed=1, latency=None)
+    handles = engine_handles(target, drafter, len(specs), interleave="cycles")
+    engines = [make_method_engine(s, p, target=t, drafter=d, temperature=0.0) for s, p, (t, d) in zip(specs, pols, handles)]
+    gens, stepped = [], []
+    real_start, real_step = decode.SpeculativeEngine.start, decode.SpeculativeEngine.step
+
+    def start(self, *args, **kwargs):
+        gens.append(real_start(self, *args, **kwargs))
+        return gens[-1]
+
+    def step(self, gen):
+        stepped.append((len(gen.tokens), min(len(g.tokens) for g in gens if not g.done)))
+        return real_step(self, gen)
+
+    monkeypatch.setattr(decode.SpeculativeEngine, "start", start)
+    monkeypatch.setattr(decode.SpeculativeEngine, "step", step)
+    out = run_interleaved(engines, PROMPTS["alpha"][0][1], max_new_tokens=MAX_NEW, seed=1, latency=None)
+    assert stepped and all(mine == least for mine, least in stepped)
+    ref = hf_greedy(target_model, PROMPTS["alpha"][0][1], MAX_NEW)
+    assert all(res.tokens == ref and res.wall_seconds > res.prefill_seconds > 0 for res, _ in out)
+    assert max(res.tau for res, _ in out) > 1.0
 
 
 def test_evaluate_rows_lossless_and_summary(models, tmp_path):
@@ -143,13 +175,18 @@ def _broken_verify_greedy(tree, logits):
 _REAL_VERIFY = decode.verify_greedy
 
 
-def test_lossless_check_catches_a_broken_verifier(models, monkeypatch):
+@pytest.mark.parametrize("interleave", ["cycles", "requests"])
+def test_lossless_check_catches_a_broken_verifier(models, monkeypatch, interleave):
     target_model, target, drafter = models
-    monkeypatch.setattr(decode, "verify_greedy", _broken_verify_greedy)
     specs = method_specs(methods=["ar", "chain"], chains=[3], eagle_default=[8, 3, 3])
+    run = dict(target=target, drafter=drafter, prompts=PROMPTS, methods=specs, temperatures=[0.0], max_new_tokens=MAX_NEW,
+               repeats=1, seed=0, reference_model=target_model, interleave=interleave)
+    assert evaluate_methods(**run).checked == 3  # chain3 on every prompt, identical
+    monkeypatch.setattr(decode, "verify_greedy", _broken_verify_greedy)
     with pytest.raises(LosslessError, match=r"method 'chain3' on alpha prompt a\d \(T=0, repeat 0\): MISMATCH"):
-        evaluate_methods(target=target, drafter=drafter, prompts=PROMPTS, methods=specs, temperatures=[0.0],
-                         max_new_tokens=MAX_NEW, repeats=1, seed=0, reference_model=target_model)
+        evaluate_methods(**run)
+    with pytest.raises(ValueError, match="evaluate.interleave is 'cycle'; allowed: cycles, requests"):
+        evaluate_methods(**{**run, "interleave": "cycle"})
 
 
 def test_near_ties_are_reported_not_failed(models, monkeypatch):

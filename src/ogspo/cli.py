@@ -546,7 +546,7 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
     static = None if args.static is None else structure_policy(args.static, "sequoia")
     res = tune_eagle(target=target, drafter=drafter, prompts=prompts, grid=ev["eagle_grid"], temperature=args.temperature,
                      max_new_tokens=ev["tune_max_new_tokens"], seed=cfg["seed"], static=static,
-                     progress=lambda line: print(line, flush=True))
+                     progress=lambda line: print(line, flush=True), interleave=ev["interleave"])
     write_tuning(res, args.out)
     print(f"tuned EAGLE-3 at T={args.temperature:g}: {res.winners} in {res.seconds:.0f} s -> {args.out}")
     return 0
@@ -590,7 +590,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
         latency=latency, oracle=oracle, policy_device=cfg["torch_device"],
         light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
-        progress=lambda line: print(line, flush=True), minutes=ev["minutes"],
+        progress=lambda line: print(line, flush=True), minutes=ev["minutes"], interleave=ev["interleave"],
     )
     write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)
     print(render_summary(res.summary))

@@ -72,6 +72,9 @@ class EagleDrafter(TreeDrafter):
         self.node_row = np.zeros(0, dtype=np.int64)
         self.node_out: dict[int, torch.Tensor] = {}
 
+    def fork(self) -> EagleDrafter:
+        return EagleDrafter(self.head, max_len=self.cache.max_len, drafter_id=self.drafter_id)
+
     def _features(self, out: ForwardOut | None, rows) -> torch.Tensor:
         if out is None or out.features is None:
             raise ValueError("the eagle drafter needs target features: build the target with the drafter's feature_layers")

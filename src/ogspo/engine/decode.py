@@ -62,7 +62,7 @@ class GenerationResult:
     prompt_tokens: int
     tokens: list[int]
     prefill_seconds: float
-    wall_seconds: float  # whole request, prefill included
+    wall_seconds: float  # the request's own time, prefill included (`Generation.seconds`)
     cycles: list[CycleStats] = field(default_factory=list)
 
     @property
@@ -80,6 +80,25 @@ class GenerationResult:
         verify = sum(c.verify_seconds for c in self.cycles)
         other = sum(c.other_seconds for c in self.cycles)
         return {"prefill": self.prefill_seconds, "draft": draft, "verify": verify, "other": other}
+
+
+@dataclass
+class Generation:
+    """A request in progress (`SpeculativeEngine.start` / `step`): what it generated so far and the
+    seconds spent on it (its prefill and cycles; time between its steps is not its own)."""
+
+    prompt_length: int
+    seed: int
+    max_new_tokens: int
+    tokens: list[int]
+    prefill_seconds: float
+    seconds: float
+    cycles: list[CycleStats] = field(default_factory=list)
+    done: bool = False
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(prompt_tokens=self.prompt_length, tokens=list(self.tokens),
+                                prefill_seconds=self.prefill_seconds, wall_seconds=self.seconds, cycles=list(self.cycles))
 
 
 class SpeculativeEngine:
@@ -128,6 +147,37 @@ class SpeculativeEngine:
         p = target_probs(logits[None].cpu(), temperature=self.temperature, top_p=self.top_p)[0]  # [V]
         return sample_inverse_cdf(p, CycleRandom.from_seed(cycle_seed(seed, 0)).bonus[0])
 
+    def start(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
+        """Begin a request: prefill the target and the drafter, sample the first token. `step` then
+        runs its cycles; requests of engines on separate caches (`TreeLM.fork`) may be stepped in turn."""
+        self._check_prompt(prompt, max_new_tokens)
+        t0 = time.perf_counter()
+        pre = self._prefill(prompt)
+        first = self._first_token(pre.logits[0], seed)
+        seconds = time.perf_counter() - t0
+        gen = Generation(prompt_length=len(prompt), seed=seed, max_new_tokens=max_new_tokens, tokens=[first],
+                         prefill_seconds=seconds, seconds=seconds)
+        gen.done = max_new_tokens <= 1 or first == self.eos_token_id
+        return gen
+
+    def step(self, gen: Generation) -> list[int]:
+        """One cycle of request `gen` (which this engine started, its cache untouched since its last
+        step); returns the tokens it added (cut at EOS and at max_new_tokens)."""
+        if gen.done:
+            raise ValueError("the request is done: start another")
+        t0 = time.perf_counter()
+        ctx = CycleContext(context_length=self.target.cache.length, request_seed=gen.seed, index=len(gen.cycles) + 1,
+                           prompt_length=gen.prompt_length)
+        stats, committed = self._cycle(gen.tokens[-1], ctx)
+        gen.cycles.append(stats)
+        if self.eos_token_id is not None and self.eos_token_id in committed:
+            committed = committed[: committed.index(self.eos_token_id) + 1]
+        committed = committed[: gen.max_new_tokens - len(gen.tokens)]
+        gen.tokens.extend(committed)
+        gen.done = len(gen.tokens) >= gen.max_new_tokens or gen.tokens[-1] == self.eos_token_id
+        gen.seconds += time.perf_counter() - t0
+        return committed
+
     def generate(
         self,
         prompt: list[int],
@@ -136,34 +186,16 @@ class SpeculativeEngine:
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
-        """Generate up to `max_new_tokens` tokens after `prompt` (stops after EOS)."""
-        self._check_prompt(prompt, max_new_tokens)
-        t_start = time.perf_counter()
-        L = len(prompt)
-        pre = self._prefill(prompt)
-        out = [self._first_token(pre.logits[0], seed)]
-        prefill_s = time.perf_counter() - t_start
+        """Generate up to `max_new_tokens` tokens after `prompt` (stops after EOS): `start`, then `step`
+        until done. Its seconds are the request's own (prefill and cycles), not the callback's."""
+        gen = self.start(prompt, max_new_tokens=max_new_tokens, seed=seed)
         if on_tokens:
-            on_tokens(out[:])
-        cycles: list[CycleStats] = []
-        while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-            ctx = CycleContext(context_length=self.target.cache.length, request_seed=seed, index=len(cycles) + 1,
-                               prompt_length=L)
-            stats, committed = self._cycle(out[-1], ctx)
-            cycles.append(stats)
-            room = max_new_tokens - len(out)
-            if self.eos_token_id is not None and self.eos_token_id in committed:
-                committed = committed[: committed.index(self.eos_token_id) + 1]
-            out.extend(committed[:room])
+            on_tokens(gen.tokens[:])
+        while not gen.done:
+            new = self.step(gen)
             if on_tokens:
-                on_tokens(committed[:room])
-        return GenerationResult(
-            prompt_tokens=L,
-            tokens=out,
-            prefill_seconds=prefill_s,
-            wall_seconds=time.perf_counter() - t_start,
-            cycles=cycles,
-        )
+                on_tokens(new)
+        return gen.result()
 
     def _cycle(self, root: int, ctx: CycleContext) -> tuple[CycleStats, list[int]]:
         t0 = time.perf_counter()

@@ -3,7 +3,8 @@
 The engine never knows which drafter it has. A drafter
 - `begin`s a request with the prompt (and the target's prefill output),
 - `expand`s a frontier of tree nodes into ranked children with log-probs and an entropy,
-- `observe`s each verified cycle: the per-node accept mask and the committed tokens.
+- `observe`s each verified cycle: the per-node accept mask and the committed tokens,
+- `fork`s: the same weights with a request state of its own (requests interleaved cycle by cycle).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class TreeDrafter(ABC):
     @abstractmethod
     def observe(self, obs: Observation) -> None: ...
 
+    @abstractmethod
+    def fork(self) -> TreeDrafter:
+        """The same drafter (weights shared) with a request state of its own."""
+
 
 def accepted_path(obs: Observation) -> np.ndarray:
     """Accepted node indices of the drafted tree, root first."""
@@ -82,6 +87,9 @@ class LMDrafter(TreeDrafter):
         self.lm.cache.reset()
         self.backlog = list(prompt)
         self.node_row = np.zeros(0, dtype=np.int64)
+
+    def fork(self) -> LMDrafter:
+        return LMDrafter(self.lm.fork())
 
     def expand(self, tree: DraftTree, frontier: np.ndarray, k: int) -> Expansion:
         c, dev = self.lm.cache, self.lm.device
@@ -133,6 +141,9 @@ class PromptLookupDrafter(TreeDrafter):
 
     def begin(self, prompt: list[int], target: ForwardOut | None) -> None:
         self.context = np.asarray(prompt, dtype=np.int64)
+
+    def fork(self) -> PromptLookupDrafter:
+        return PromptLookupDrafter(max_ngram=self.max_ngram, min_ngram=self.min_ngram)
 
     def _candidates(self, seq: np.ndarray, k: int) -> tuple[list[int], list[float]]:
         n_seq = len(seq)

@@ -22,10 +22,15 @@ The cache has a *committed* part (rows 0..length) and a *pending* part (rows wri
 since the last commit). A forward over m new tokens attends to every committed row and to the
 pending rows its `attend` mask allows (its own ancestors in the tree). `commit(rows)` keeps the
 chosen pending rows (the accepted path) and drops the rest, without re-running the model.
+
+`fork()` gives another handle on the same weights, kernels and packed matrices with a cache of its
+own: the requests of several methods can then advance cycle by cycle side by side
+(`methods.harness.run_interleaved`) without copying a weight.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +173,13 @@ class TreeLM:
 
     def new_cache(self, max_len: int) -> KVCache:
         raise NotImplementedError
+
+    def fork(self) -> TreeLM:
+        """This model with a KV cache of its own (empty, as long as this one's); every weight, kernel
+        plan and lazily packed matrix stays shared, so a fork costs one cache."""
+        twin = copy.copy(self)  # shallow: the weight tensors and the kernel and ops tables are the same objects
+        twin.cache = twin.new_cache(self.cache.max_len)
+        return twin
 
     def forward(
         self,

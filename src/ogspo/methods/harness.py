@@ -4,8 +4,10 @@ One engine per method (`make_method_engine`: no EOS, so every method of a reques
 same tokens), its stop hook timed apart (`TimedHook`), its cycles logged for the latency model's
 prediction (`CycleLog`, `predicted_seconds`), the machine's state probed around each request
 (`probe_seconds`, `SpeedProbe`) and the garbage collector kept out of the timing (`quiet_gc`).
-Methods run in mirrored seeded orders per pair of request slots (`slot_order`), so a position effect
-linear in the position cancels in every paired ratio.
+A slot's methods either advance side by side, cycle by cycle, each on its own cache (`run_interleaved`:
+the machine's drift slows them alike), or run one request after another (`run_request`); either way in
+mirrored seeded orders per pair of request slots (`slot_order`), so a position effect linear in the
+position cancels in every paired ratio.
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ def predicted_seconds(cycles: list[tuple[list[int], int, int, int]], latency, sp
     return float(sum(float(latency.t_cycle(w, n, L, accepted=a, speed=speed)) for w, n, L, a in cycles))
 
 
+INTERLEAVE = ("cycles", "requests")  # a slot's methods side by side per cycle (`run_interleaved`), or one request after another
+
+
+def engine_handles(target: TreeLM, drafter, n: int, *, interleave: str) -> list[tuple]:
+    """The (target, drafter) each of `n` method engines runs on: forks of their own to be interleaved
+    cycle by cycle ("cycles"), or the shared pair ("requests")."""
+    if interleave not in INTERLEAVE:
+        raise ValueError(f"evaluate.interleave is '{interleave}'; allowed: {', '.join(INTERLEAVE)}")
+    if interleave == "requests":
+        return [(target, drafter)] * n
+    return [(target.fork(), None if drafter is None else drafter.fork()) for _ in range(n)]
+
+
 @dataclass
 class MethodEngine:
     spec: MethodSpec
@@ -140,42 +155,103 @@ def probe_speed(target, latency, *, reps: int = 3) -> float:
 
 
 class SpeedProbe:
-    """The machine's state during a request, for the latency model's predictions: after every request,
-    `probe_speed`; a request's state is the mean of the probe before it (the previous request's) and the
-    one after it. A shared CPU flips between states for tens of seconds (on the 2-core AMD EPYC a one-row
-    forward between ~7.5 and ~11 ms), longer than a request, so the probes next to it tell its state; how
-    each shape follows the state is the model's `drift_elasticity`. Measured on a probe, never on the
-    requests' own times."""
+    """The machine's state during a request, for the latency model's predictions. `probe` measures it
+    now (`probe_speed`); a request's state (`state_since`) is the mean of the probe just before it and
+    every probe taken since (for a request run alone: the previous request's probe and its own after
+    it). A shared CPU drifts between states over seconds to tens of seconds (on the 2-core AMD EPYC a
+    one-row forward between ~7.5 and ~11 ms), so probes next to and during a request tell its state;
+    how each shape follows the state is the model's `drift_elasticity`. Measured on a probe, never on
+    the requests' own times."""
 
-    def __init__(self, window: int = 2):
-        self.window = window
+    def __init__(self):
         self.samples: list[float] = []
 
-    def __call__(self, target, latency) -> float:
+    def probe(self, target, latency) -> None:
         self.samples.append(probe_speed(target, latency))
-        return float(np.mean(self.samples[-self.window:]))
+
+    def state_since(self, mark: int) -> float:
+        """The mean of the probes from the one before sample `mark` (a `len(samples)` taken before the
+        request) to the last."""
+        return float(np.mean(self.samples[max(mark - 1, 0):]))
+
+
+def _figures(me: MethodEngine, res: GenerationResult, *, latency, factor: float) -> dict:
+    """A request's timing and prediction figures: the time split (the stop hook's time out of "other")
+    and the measured prefill plus the latency model's cycles in machine state `factor`."""
+    split = res.time_split()
+    policy_s = me.hook.seconds if me.hook is not None else 0.0
+    pred = split["prefill"] + predicted_seconds(me.log.cycles, latency, factor) if latency is not None else float("nan")
+    return {
+        "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
+        "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
+        "predicted_seconds": pred, "speed_factor": factor if latency is not None else float("nan"),
+        "predicted_throughput": len(res.tokens) / pred if pred > 0 else float("nan"),
+    }
+
+
+def _reset(me: MethodEngine) -> None:
+    me.log.cycles.clear()
+    if me.hook is not None:
+        me.hook.seconds = 0.0
 
 
 def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, seed: int, latency,
                 speed: SpeedProbe | None = None) -> tuple[GenerationResult, dict]:
-    """Decode one request with one method; returns the result and its timing/prediction figures (the
-    prediction is the measured prefill plus the latency model's cycles in the machine state `speed`
-    reads around the request, when given)."""
-    me.log.cycles.clear()
-    if me.hook is not None:
-        me.hook.seconds = 0.0
+    """Decode one request with one method alone; returns the result and its timing/prediction figures
+    (the prediction is the measured prefill plus the latency model's cycles in the machine state
+    `speed` reads around the request, when given)."""
+    _reset(me)
+    mark = len(speed.samples) if speed is not None else 0
     with quiet_gc():
         res = me.engine.generate(prompt, max_new_tokens=max_new_tokens, seed=seed)
-    split = res.time_split()
-    policy_s = me.hook.seconds if me.hook is not None else 0.0
-    pred = factor = float("nan")
-    if latency is not None:
-        factor = speed(me.engine.target, latency) if speed is not None else 1.0
-        pred = split["prefill"] + predicted_seconds(me.log.cycles, latency, factor)
-    figures = {
-        "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
-        "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),
-        "predicted_seconds": pred, "speed_factor": factor,
-        "predicted_throughput": len(res.tokens) / pred if pred > 0 else float("nan"),
-    }
-    return res, figures
+    factor = 1.0
+    if latency is not None and speed is not None:
+        speed.probe(me.engine.target, latency)
+        factor = speed.state_since(mark)
+    return res, _figures(me, res, latency=latency, factor=factor)
+
+
+def run_interleaved(engines: list[MethodEngine], prompt: list[int], *, max_new_tokens: int, seed: int, latency,
+                    speed: SpeedProbe | None = None, probe_every: int = 16) -> list[tuple[GenerationResult, dict]]:
+    """Decode one request with every method at once, cycle by cycle: each engine's request is
+    started in the given order, then the one that has generated the fewest tokens so far runs its
+    next cycle (ties: the given order), until all are done. Every method's tokens are thus spread
+    over the same stretch of wall time, so a drift of the machine's speed (seconds to tens of seconds
+    on a shared CPU, longer than a cycle, often shorter than a slot of requests run one after
+    another) slows all of them alike and cancels in their paired ratios. A request's time is its own
+    prefill and cycles (`Generation.seconds`), so each figure is what the method costs alone, bar
+    the caches the others' cycles evict (the target's weights do not fit in any cache here, and are
+    read again every forward anyway). The engines need targets and drafters of their own
+    (`TreeLM.fork`, `TreeDrafter.fork`): a shared cache would be overwritten between cycles.
+    With `speed`, the machine is probed every `probe_every` tokens of the slowest request, and every
+    request of the slot gets the mean state (`SpeedProbe.state_since`)."""
+    targets = [id(me.engine.target) for me in engines]
+    drafters = [id(me.engine.drafter) for me in engines if me.engine.drafter is not None]
+    if len(set(targets)) < len(targets) or len(set(drafters)) < len(drafters):
+        raise ValueError("run_interleaved needs a target and a drafter of its own per engine (TreeLM.fork, TreeDrafter.fork)")
+    for me in engines:
+        _reset(me)
+    probing = latency is not None and speed is not None
+    mark = len(speed.samples) if probing else 0
+    with quiet_gc():
+        gens = [me.engine.start(prompt, max_new_tokens=max_new_tokens, seed=seed) for me in engines]
+        next_probe = probe_every
+        while True:
+            live = [i for i, g in enumerate(gens) if not g.done]
+            if not live:
+                break
+            i = min(live, key=lambda j: len(gens[j].tokens))  # the first of the least advanced
+            engines[i].engine.step(gens[i])
+            slowest = min(len(g.tokens) for g in gens)
+            if probing and slowest >= next_probe and slowest < max_new_tokens:
+                speed.probe(engines[i].engine.target, latency)
+                next_probe += probe_every
+    factor = 1.0
+    if probing:
+        speed.probe(engines[0].engine.target, latency)
+        factor = speed.state_since(mark)
+    out = []
+    for me, g in zip(engines, gens):
+        res = g.result()
+        out.append((res, _figures(me, res, latency=latency, factor=factor)))
+    return out

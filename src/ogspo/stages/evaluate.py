@@ -1,9 +1,11 @@
 """Stage `evaluate`: every decoding method side by side on held-out prompts.
 
 `evaluate_methods` runs, per temperature, workload, eval prompt and repeat, every configured method
-in mirrored seeded orders per pair of request slots (`slot_order`: machine drift and position effects
-cancel in paired ratios), all on one target and one drafter, every method generating the same number
-of tokens (EOS does not stop a request here: equal work per pair). Per request: complete-request
+on the same weights, every method generating the same number of tokens (EOS does not stop a request
+here: equal work per pair). By default the methods of a request slot advance side by side, cycle by
+cycle, each on its own fork of the target's and drafter's caches (`run_interleaved`: the machine's
+drift over seconds slows them alike); `interleave: requests` runs them one after another instead, in
+mirrored seeded orders per pair of slots (`slot_order`: drift linear in the position cancels). Per request: complete-request
 throughput (prefill included), tau, the time split (prefill / draft / policy / verify / other; the stop
 hook's time, timed by a wrapper, is taken out of "other", where the engine books it; the routing
 baseline's pre-drafting decision stays in "other") and the latency model's prediction for the very
@@ -36,7 +38,17 @@ from ogspo.engine.decode import GenerationResult
 from ogspo.engine.kernels import cpu_model
 from ogspo.engine.lossless import compare_greedy
 from ogspo.engine.policies import DynamicTree
-from ogspo.methods.harness import MethodEngine, SpeedProbe, make_method_engine, pair_seed, run_request, slot_order, slot_seed
+from ogspo.methods.harness import (
+    MethodEngine,
+    SpeedProbe,
+    engine_handles,
+    make_method_engine,
+    pair_seed,
+    run_interleaved,
+    run_request,
+    slot_order,
+    slot_seed,
+)
 from ogspo.methods.ogspo import OgspoTree
 from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec, build_policy
 
@@ -130,11 +142,12 @@ def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
 
 
 def _cell_engines(methods: list[MethodSpec], *, temp: float, workload: str, artifacts: Mapping[str, str], policy_device: str,
-                  target, drafter, providers: dict, tuned: dict) -> list[MethodEngine]:
-    """One engine per method for one (temperature, workload) cell; records which onnxruntime provider
-    each OGSPO head runs on (`providers`) and the tuned EAGLE-3 tree of the cell (`tuned`)."""
+                  handles: list[tuple], providers: dict, tuned: dict) -> list[MethodEngine]:
+    """One engine per method for one (temperature, workload) cell, method i on `handles[i]` (its
+    target and drafter); records which onnxruntime provider each OGSPO head runs on (`providers`) and
+    the tuned EAGLE-3 tree of the cell (`tuned`)."""
     engines = []
-    for spec in methods:
+    for spec, (target, drafter) in zip(methods, handles):
         pol = build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
         if isinstance(pol, OgspoTree):  # which onnxruntime provider its head runs on, and why
             providers[f"{spec.name}/{temperature_tag(temp)}/{workload}"] = {"provider": pol.hook.providers[0],
@@ -173,10 +186,14 @@ def evaluate_methods(
     light_prompts: int = 0,
     progress: Callable[[str], None] | None = None,
     minutes: float | None = None,
+    interleave: str = "cycles",
 ) -> EvaluateResult:
-    """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, request
-    by request, in mirrored seeded orders per pair of request slots (`slot_order`). Every method of a
-    slot generates exactly `max_new_tokens` tokens (EOS does not stop it: equal work per pair).
+    """Every method on every prompt (workload -> [(prompt_id, tokens)]) at every temperature, slot by
+    slot. `interleave` "cycles": the methods of a slot advance side by side (`run_interleaved`), each
+    on its own fork of `target` and `drafter`; "requests": one after another on the shared ones. Either
+    way in mirrored seeded orders per pair of request slots (`slot_order`: the order of the prefills and
+    of ties, or of the requests). Every method of a slot generates exactly `max_new_tokens` tokens (EOS
+    does not stop it: equal work per pair).
     Methods whose kind is in `light_methods` run on the first `light_prompts` prompts of each workload
     only (they keep their place in the slot's order). Before a slot's methods run, the prompt is
     prefilled once untimed, so the slot's first method does not pay for the new prompt's shapes.
@@ -209,13 +226,14 @@ def evaluate_methods(
     providers: dict[str, dict] = {}
     speed = SpeedProbe() if latency is not None else None
     cells = [(temp, workload) for temp in temperatures for workload in prompts]
+    handles = engine_handles(target, drafter, len(methods), interleave=interleave)  # method i's, in every cell
     engines: dict[tuple[float, str], list[MethodEngine]] = {}
     for temp, workload in cells:
         tag = temperature_tag(temp)
         if TUNED in {m.kind for m in methods} and TUNED in artifacts and tag not in calib_best:
             calib_best[tag], stability[tag] = read_calib_best(Path(artifacts[TUNED].format(T=tag)))
         engines[temp, workload] = _cell_engines(methods, temp=temp, workload=workload, artifacts=artifacts,
-                                                policy_device=policy_device, target=target, drafter=drafter,
+                                                policy_device=policy_device, handles=handles,
                                                 providers=providers, tuned=tuned.setdefault(tag, {}))
     budget = DataBudget(seconds=None if minutes is None else minutes * 60)
     budget.charge(time.perf_counter() - t_start)
@@ -238,9 +256,11 @@ def evaluate_methods(
                     here = [cell[j] for j in order if cell[j].spec.kind not in light_methods or index < light_prompts]
                     target.prefill(prompt)  # untimed (every method's engine shares it): the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
-                    for pos, me in enumerate(here):
-                        res, fig = run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency,
-                                               speed=speed)
+                    timed = (run_interleaved(here, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency,
+                                             speed=speed) if interleave == "cycles" else
+                             [run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency, speed=speed)
+                              for me in here])
+                    for pos, (me, (res, fig)) in enumerate(zip(here, timed)):
                         if len(res.tokens) != max_new_tokens:  # pragma: no cover - the engine stops at max_new_tokens
                             raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, "
                                                f"not {max_new_tokens}")
@@ -269,6 +289,7 @@ def evaluate_methods(
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,
+                  "interleave": interleave,
                   "tune_winner_stability": stability, "target": target_description(target),
                   "prompts": {w: [p for p, _ in v][:taken] for w, v in prompts.items()},
                   "prompts_asked": n_slots, "budget": budget.describe()},

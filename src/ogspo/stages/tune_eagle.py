@@ -18,7 +18,15 @@ import numpy as np
 from ogspo.analysis.summary import SEQUOIA, quantile
 from ogspo.artifacts.io import write_json
 from ogspo.engine.policies import Autoregressive, DynamicTree, TreePolicy
-from ogspo.methods.harness import make_method_engine, pair_seed, run_request, slot_order, slot_seed
+from ogspo.methods.harness import (
+    engine_handles,
+    make_method_engine,
+    pair_seed,
+    run_interleaved,
+    run_request,
+    slot_order,
+    slot_seed,
+)
 from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec
 
 
@@ -65,9 +73,11 @@ def tune_eagle(
     static: TreePolicy | None = None,
     n_boot: int = 1000,
     progress: Callable[[str], None] | None = None,
+    interleave: str = "cycles",
 ) -> TuneResult:
-    """Grid search of EAGLE-3 dynamic trees by real decoding (interleaved, mirrored orders per pair of
-    prompts, every request `max_new_tokens` long); per workload the tree with the highest geometric-mean
+    """Grid search of EAGLE-3 dynamic trees by real decoding (mirrored orders per pair of prompts, every
+    request `max_new_tokens` long; `interleave` as `evaluate`'s: "cycles" runs a prompt's trees side by
+    side, cycle by cycle, each on its own fork of the caches); per workload the tree with the highest geometric-mean
     throughput wins. A grid entry [0, 0, 0] is "do not speculate" (autoregressive decoding), so the tuned
     baseline is never slower than AR on the tuning prompts. `static` (Sequoia's tree) runs side by side,
     so the best baseline of each workload (ar, eagle-tuned or sequoia) is picked here, on calib prompts,
@@ -85,11 +95,13 @@ def tune_eagle(
     def tree_policy(a: int, b: int, c: int) -> TreePolicy:
         return Autoregressive(name="eagle0-0-0") if a == 0 else DynamicTree(total_tokens=a, depth=b, top_k=c)
 
+    handles = engine_handles(target, drafter, len(trees) + (static is not None), interleave=interleave)  # engine j's
     engines = [make_method_engine(MethodSpec(name=f"eagle{a}-{b}-{c}", kind="eagle-default", tree=(a, b, c)),
-                                  tree_policy(a, b, c), target=target, drafter=drafter, temperature=temperature)
-               for a, b, c in trees]
+                                  tree_policy(a, b, c), target=t, drafter=d, temperature=temperature)
+               for (a, b, c), (t, d) in zip(trees, handles)]
     if static is not None:
-        engines.append(make_method_engine(MethodSpec(name=SEQUOIA, kind=SEQUOIA), static, target=target, drafter=drafter,
+        t, d = handles[-1]
+        engines.append(make_method_engine(MethodSpec(name=SEQUOIA, kind=SEQUOIA), static, target=t, drafter=d,
                                           temperature=temperature))
     rng = np.random.default_rng(seed)
     points: list[TunePoint] = []
@@ -102,8 +114,12 @@ def tune_eagle(
         taus: list[list[tuple[float, int]]] = [[] for _ in engines]
         for index, (prompt_id, prompt) in enumerate(plist):
             rseed = slot_seed(seed, workload, prompt_id, 0)
-            for j in slot_order(len(engines), pair_seed(seed, temperature, workload, index, 0), index):
-                res, _ = run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
+            order = slot_order(len(engines), pair_seed(seed, temperature, workload, index, 0), index)
+            timed = (run_interleaved([engines[j] for j in order], prompt, max_new_tokens=max_new_tokens, seed=rseed,
+                                     latency=None) if interleave == "cycles" else
+                     [run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
+                      for j in order])
+            for j, (res, _) in zip(order, timed):
                 tps[j, index] = res.throughput
                 taus[j].append((res.tau, len(res.cycles)))
         logs = np.log(np.maximum(tps[: len(trees)], 1e-12))  # [grid, prompts]
