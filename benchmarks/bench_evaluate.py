@@ -2,8 +2,8 @@
 
     PATH=.venv/bin:$PATH python benchmarks/bench_evaluate.py [--report results/cpu/report] [--write]
 
-The measurement itself is the DAG's `evaluate` rule (methods interleaved request by request in a
-mirrored seeded order on one target and one drafter, T=0 and T=1, with the lossless check); this
+The measurement itself is the DAG's `evaluate` rule (the methods of a request slot side by side,
+cycle by cycle, each on its own fork of the caches, T=0 and T=1, with the lossless check); this
 script puts the run's `report/report.md` (the comparison against the best baseline, the A/A check,
 what ogspo ships, the latency model against realised requests, throughput tables, time split) into
 docs/BENCHMARKS.md, with the run's settings and stage durations (Snakemake `benchmark:` files).

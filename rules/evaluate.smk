@@ -3,7 +3,7 @@
 #   per workload, at one temperature (winner = highest geometric-mean throughput), with Sequoia's static
 #   tree beside it: the best baseline of each cell (ar, eagle-tuned, sequoia) is picked there.
 # - evaluate: every method of `evaluate.methods` on the held-out eval prompts of every workload at every
-#   records temperature, interleaved request by request in mirrored seeded orders, every method generating
+#   records temperature, side by side cycle by cycle (evaluate.interleave), every method generating
 #   the same number of tokens, with the T=0 lossless check (a real mismatch fails the job with one line
 #   naming method, workload and prompt).
 # - report: report/summary.json, report.md and PNG plots.

@@ -222,7 +222,7 @@ def render_comparison(statements: list[dict], pooled: dict, method: str = OGSPO)
         ok = aa["pooled"]["low"] <= 1.0 <= aa["pooled"]["high"]
         cells = "; ".join(f"{c['workload']} T={c['temperature']:g}: {_iv(c)}" for c in aa["cells"] if "ratio" in c)
         half = (aa["pooled"]["high"] - aa["pooled"]["low"]) / 2
-        lines.append(f"`{AA_CHECK}` (autoregressive decoding run again, in the same mirrored seeded slot orders) / "
+        lines.append(f"`{AA_CHECK}` (autoregressive decoding run again, side by side with every method) / "
                      f"`{REFERENCE}`: pooled **{_iv(aa['pooled'])}** (half-width {100 * half:.1f}%), which "
                      f"{'contains' if ok else 'does NOT contain'} 1.00; per cell {cells}.")
     else:
