@@ -15,12 +15,11 @@ import argparse
 import csv
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, write_section  # noqa: E402
+from benchdoc import REPO, git_commit, machine, write_section  # noqa: E402
 
 
 def stage_seconds(bench_dir: Path) -> dict[str, float]:
@@ -38,7 +37,8 @@ def settings_line(cfg: dict) -> str:
     n = sorted({len(v) for v in cfg.get("prompts", {}).values()})
     names = ", ".join(m["name"] for m in cfg.get("methods", []))
     return (f"{'/'.join(map(str, n))} eval prompts per workload x {cfg.get('max_new_tokens')} new tokens x "
-            f"{cfg.get('repeats')} repeat(s), T = {', '.join(f'{t:g}' for t in cfg.get('temperatures', []))}; methods: {names}")
+            f"{cfg.get('repeats')} repeat(s), T = {', '.join(f'{t:g}' for t in cfg.get('temperatures', []))}; methods: {names}; "
+            f"timed {'side by side, cycle by cycle' if cfg.get('interleave') == 'cycles' else 'one request after another'}")
 
 
 def main() -> int:
@@ -57,7 +57,7 @@ def main() -> int:
     lines = [
         "## Evaluation: every method side by side (`rules/evaluate.smk`, `benchmarks/bench_evaluate.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}; machine: {os.cpu_count()} CPUs ({cpu_model()})",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {git_commit()}; machine: {machine()}",
         f"- reproduce: `make run` (default config), then `{cmd.strip()}`",
         f"- settings: {settings_line(cfg)}",
         "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + f"; sum {sum(stages.values()):.0f} s",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import polars as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, git_commit, write_section  # noqa: E402
+from benchdoc import REPO, git_commit, machine, write_section  # noqa: E402
 
 from ogspo.analysis.compare import ratio_intervals  # noqa: E402
 from ogspo.analysis.summary import calib_best_table  # noqa: E402
@@ -84,7 +83,7 @@ def main() -> int:
     out = res / "bench_interleave"
     out.mkdir(parents=True, exist_ok=True)
     df.write_parquet(out / "requests.parquet")
-    section = render(df, calib, args=args, seconds=seconds)
+    section = render(df, calib, args=args, seconds=seconds, dtype=str(e.target.dtype).removeprefix("torch."))
     print(section)
     if args.write:
         write_section("bench_interleave", section)
@@ -99,7 +98,7 @@ def _half(iv) -> str:
     return f"{100 * (iv.high - iv.low) / 2:.1f}%" if iv else "-"
 
 
-def render(df: pl.DataFrame, calib: dict, *, args, seconds: float) -> str:
+def render(df: pl.DataFrame, calib: dict, *, args, seconds: float, dtype: str) -> str:
     rows = []
     for mode in INTERLEAVE:
         d = df.filter(pl.col("mode") == mode)
@@ -129,8 +128,8 @@ def render(df: pl.DataFrame, calib: dict, *, args, seconds: float) -> str:
     return "\n".join([
         "## Timing a slot's methods side by side or one after another (`benchmarks/bench_interleave.py`)",
         "",
-        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {git_commit()}; machine: {os.cpu_count()} CPUs "
-        f"({cpu_model()}), torch threads {torch.get_num_threads()}; the default run's target, head, tuned trees and policy",
+        f"- date: {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {git_commit()}; machine: {machine()}, torch threads "
+        f"{torch.get_num_threads()}; the default run's target ({dtype}), head, tuned trees and policy",
         f"- reproduce: `make run`, then `{cmd.strip()}` ({seconds / 60:.1f} min)",
         f"- {n} request slots per mode ({args.prompts} eval prompts per workload x T = "
         f"{', '.join(f'{t:g}' for t in args.temperatures)}, {args.max_new_tokens} new tokens), methods {', '.join(METHODS)}; "

@@ -17,6 +17,25 @@ def stats(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
+def machine() -> str:
+    """The machine as the sections name it: CPU count, model, family/model numbers and the vector
+    instruction sets the kernels care about (`lscpu`'s model name alone does not tell a Zen 3 from a Zen 4)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return f"{os.cpu_count()} CPUs ({cpu_model()})"
+    flags = set(info.get("flags", "").split())
+    have = [name for flag, name in (("avx2", "AVX2"), ("fma", "FMA"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
+                                    ("amx_tile", "AMX")) if flag in flags]
+    lacks = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
+             if flag not in flags]
+    return (f"{os.cpu_count()} CPUs ({cpu_model()}, family {info.get('cpu family', '?')} model {info.get('model', '?')}; "
+            f"{', '.join(have) or 'no AVX2'}{'; no ' + ', '.join(lacks) if lacks else ''})")
+
+
 def git_commit() -> str:
     """The short hash of the checkout the benchmark runs (its sections name it)."""
     return os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()
