@@ -101,8 +101,8 @@ def test_calibration_keeps_the_fastest_and_pads_only_to_cheaper():
             j = rows.index(t.pad_to[c][i])
             assert j >= i  # never pads down
             assert tm[t.choice[c][i]][j] == best[j]  # the fastest kernel of the row count it runs at
-            if j > i:
-                assert best[j] <= 0.97 * best[i] and best[j] == min(best[i:])
+            if j > i:  # chosen on the unrounded medians; the table keeps 0.1 us (each figure off by <= 0.05)
+                assert best[j] <= 0.97 * best[i] + 0.1 and best[j] == min(best[i:])
 
 
 def test_table_round_trip_and_one_line_errors(tmp_path):
