@@ -175,6 +175,36 @@ def _broken_verify_greedy(tree, logits):
 _REAL_VERIFY = decode.verify_greedy
 
 
+def test_ogspo_static_runs_only_where_a_stop_policy_ships(models, tmp_path):
+    """`ogspo-static` (the static tree a shipped stop policy replaces, from workloads.json) runs in the
+    cells where `ogspo` ships its policy and is skipped where `ogspo` is that static tree itself; the
+    report's pooled comparison of ogspo with it covers the cells where it ran."""
+    from ogspo.analysis.summary import pooled_comparisons
+
+    target_model, target, drafter = models
+    arts = _artifacts(tmp_path)
+    arts["ogspo-static"] = arts["ogspo"]
+    for tag in ("T0", "T1"):  # alpha: the policy ships and replaces S<=1; beta: S<=2 ships (no policy)
+        (tmp_path / "policy" / tag / "workloads.json").write_text(json.dumps({
+            "alpha": {"shipped": "policy", "structure": None, "static": "S<=1", "static_structure": [[0], [1]]},
+            "beta": {"shipped": "S<=2", "structure": [[0], [0, 0]], "static": "S<=2", "static_structure": [[0], [0, 0]]}}))
+    specs = method_specs(methods=["ar", "ogspo", "ogspo-static"], chains=[], eagle_default=[8, 3, 3])
+    res = evaluate_methods(target=target, drafter=drafter, prompts=PROMPTS, methods=specs, temperatures=[0.0],
+                           max_new_tokens=MAX_NEW, repeats=1, seed=0, artifacts=arts, reference_model=target_model)
+    df = res.frame()
+    assert set(df.filter(pl.col("method") == "ogspo-static")["workload"]) == {"alpha"}
+    assert res.settings["skipped"] == {"T0/beta": ["ogspo-static (the same tree as ogspo)"]}
+    assert set(df.filter(pl.col("temperature") == 0)["lossless"]) <= {"identical", "n/a"}
+    static = df.filter(pl.col("method") == "ogspo-static")
+    assert (static["policy_seconds"] == 0).all() and static["mean_tree_size"].max() <= 2
+    vs = pooled_comparisons(df, method="ogspo")["vs_static"]
+    assert vs["pooled"]["n"] == len(PROMPTS["alpha"]) and [c["workload"] for c in vs["cells"]] == ["alpha"]
+    (tmp_path / "policy" / "T0" / "workloads.json").write_text(json.dumps({"alpha": {"shipped": "policy", "structure": None}}))
+    with pytest.raises(ValueError, match="names no static tree for workload 'alpha'"):
+        evaluate_methods(target=target, drafter=drafter, prompts=PROMPTS, methods=specs, temperatures=[0.0],
+                         max_new_tokens=MAX_NEW, repeats=1, seed=0, artifacts=arts, reference_model=target_model)
+
+
 @pytest.mark.parametrize("interleave", ["cycles", "requests"])
 def test_lossless_check_catches_a_broken_verifier(models, monkeypatch, interleave):
     target_model, target, drafter = models

@@ -465,6 +465,7 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     for w, v in ship.workloads.items():
         assert v["shipped"] != "policy" and v["shipped"] == max(cands, key=lambda n: v["J"][n])
         assert v["structure"] == cands[v["shipped"]].to_list()
+        assert v["static"] == v["shipped"] and v["static_structure"] == v["structure"]  # no policy: the static tree is it
         so = v["stop_only"]  # the bound of S over its best fixed depth, which is one of the static trees
         assert so["best_fixed_J"] == pytest.approx(v["J"][f"S<={so['best_fixed_depth']}"]) and so["bound_gain"] >= 0
     # the tests' power is said: the threshold policy's K-fold test on every request, the MLP's on its split
@@ -494,6 +495,11 @@ def test_a_policy_no_better_than_a_static_tree_is_dropped_and_the_static_tree_sh
     engine = SpeculativeEngine(target=build_tree_lm(target_model, max_len=256), policy=method,
                                drafter=LMDrafter(LlamaTreeLM(tiny_model(0), max_len=256, n_layers=1)))
     assert engine.generate(PROMPTS[0], max_new_tokens=12).tokens == hf_greedy(target_model, PROMPTS[0], 12)
+    # per workload, `ogspo-static` (what a shipped policy would replace) is the same tree as `ogspo` here
+    from ogspo.methods.ogspo import same_tree
+    for w in ship.workloads:
+        static = make_policy("ogspo-static", policy_path=tmp_path / "policy", workload=w)
+        assert same_tree(static, make_policy("ogspo", policy_path=tmp_path / "policy", workload=w))
 
 
 def test_the_ogspo_method_takes_its_workloads_choice(tmp_path):

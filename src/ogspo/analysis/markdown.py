@@ -187,7 +187,8 @@ def render_comparison(statements: list[dict], pooled: dict, method: str = OGSPO)
     lines.append("")
     for key, label in (("vs_best", "best baseline (picked on calib prompts)"),
                        ("vs_best_eval", "best baseline (re-picked on these requests per resample)"),
-                       ("vs_ar", "autoregressive"), ("vs_eagle_tuned", "tuned EAGLE-3"), ("vs_sequoia", "Sequoia")):
+                       ("vs_ar", "autoregressive"), ("vs_eagle_tuned", "tuned EAGLE-3"), ("vs_sequoia", "Sequoia"),
+                       ("vs_static", "the static tree its stop policy replaced (`ogspo-static`, cells where a policy ships)")):
         p = pooled.get(key)
         if not p:
             continue

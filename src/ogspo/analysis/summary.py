@@ -11,7 +11,7 @@ import polars as pl
 
 from ogspo.analysis.compare import best_of_intervals, intervals_json, ratio_intervals
 from ogspo.artifacts.records import temperature_tag
-from ogspo.methods.registry import AA_CHECK, REFERENCE, TUNED
+from ogspo.methods.registry import AA_CHECK, OGSPO_STATIC, REFERENCE, TUNED
 
 
 def quantile(x: np.ndarray, q: float) -> float:
@@ -120,7 +120,8 @@ def pooled_comparisons(df: pl.DataFrame, *, method: str, calib_best: Mapping[str
                        seed: int = 0) -> dict:
     """Pooled (all cells) and per-temperature intervals of `method` against autoregressive decoding,
     tuned EAGLE-3, Sequoia and the best baseline per cell (picked on the calib prompts: `vs_best`; picked
-    on these requests, re-picked per resample: `vs_best_eval`), and the A/A check (`ar-aa` against `ar`)
+    on these requests, re-picked per resample: `vs_best_eval`), the static tree its stop policy replaced
+    where one ships (`vs_static`), and the A/A check (`ar-aa` against `ar`)
     when it ran."""
     present = set(df["method"].to_list()) if df.height else set()
     out: dict = {}
@@ -131,6 +132,8 @@ def pooled_comparisons(df: pl.DataFrame, *, method: str, calib_best: Mapping[str
             out["vs_eagle_tuned"] = intervals_json(ratio_intervals(df, method, TUNED, seed=seed))
         if SEQUOIA in present:
             out["vs_sequoia"] = intervals_json(ratio_intervals(df, method, SEQUOIA, seed=seed))
+        if OGSPO_STATIC in present and method != OGSPO_STATIC:  # only the cells where a stop policy ships run it
+            out["vs_static"] = intervals_json(ratio_intervals(df, method, OGSPO_STATIC, seed=seed))
         best = calib_best_table(calib_best, df)
         if best.height:
             out["vs_best"] = intervals_json(ratio_intervals(df, method, best, seed=seed))

@@ -78,8 +78,9 @@ def stop_only_bound(A_depth: np.ndarray, t_depth: np.ndarray) -> dict:
 def per_workload(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, names: list[str], cands: dict[str, Structure],
                  keep_policy: bool, A_depth: np.ndarray, t_depth: np.ndarray) -> dict[str, dict]:
     """Per workload (request id prefix): the fastest on its record cycles among the static trees (rows
-    1..K of A, t [K + 1, C]), and the policy (row 0) only where it was kept; beside it, the stop-only
-    bound of S on its cycles (`stop_only_bound` of A_depth, t_depth [C, D])."""
+    1..K of A, t [K + 1, C]; always named, as `static`: the tree the policy replaces where it ships), and
+    the policy (row 0) only where it was kept; beside it, the stop-only bound of S on its cycles
+    (`stop_only_bound` of A_depth, t_depth [C, D])."""
     work = np.array([str(r).split("/", 1)[0] for r in requests.tolist()], dtype=object)
     out = {}
     for w in sorted(set(work.tolist())):
@@ -90,6 +91,7 @@ def per_workload(*, A: np.ndarray, t: np.ndarray, requests: np.ndarray, names: l
         name = "policy" if pick == 0 else names[pick - 1]
         structure = cands[names[best - 1]] if pick else None
         out[w] = {"shipped": name, "structure": None if structure is None else structure.to_list(),
+                  "static": names[best - 1], "static_structure": cands[names[best - 1]].to_list(),
                   "J": dict(zip(["policy", *names], J.tolist())), "n_cycles": int(rows.sum()),
                   "stop_only": stop_only_bound(A_depth[rows], t_depth[rows])}
     return out

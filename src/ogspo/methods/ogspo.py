@@ -210,3 +210,37 @@ def make_ogspo(*, policy_path: str | Path | None, structure: str | Path | list |
             raise ValueError(f"structure ({len(given)} nodes) differs from the one the policy in {policy_path} was trained for "
                              f"({len(S)} nodes)")
     return OgspoTree(S, hook, name=name, size_rule=size)
+
+
+def make_ogspo_static(*, policy_path: str | Path | None, workload: str | None = None, name: str = "ogspo-static") -> TreePolicy:
+    """The static tree `ogspo`'s stop policy replaces: per workload the keep/drop rule's fastest static
+    tree on the record cycles (workloads.json's `static_structure`), which is what `ogspo` itself runs
+    wherever no policy ships; without a per-workload choice, the folder's tree when it is static."""
+    if policy_path is None:
+        raise ValueError("method 'ogspo-static' needs a policy folder (policy.onnx and structure.json)")
+    choice = workload_choice(Path(policy_path), workload)
+    if choice is not None:
+        paths = choice.get("static_structure")
+        if paths is None and choice.get("shipped") != "policy":  # a folder written before `static_structure`
+            paths = choice.get("structure")
+        if paths is None:
+            raise ValueError(f"policy folder {policy_path}: {WORKLOADS_FILE} names no static tree for workload '{workload}' "
+                             "(rerun rule export_policy)")
+        S = Structure([tuple(p) for p in paths])
+    else:
+        S, hook, _ = load_policy_dir(Path(policy_path), device="cpu")
+        if hook is not None:
+            raise ValueError(f"policy folder {policy_path} ships a stop policy and names no static tree it replaces "
+                             f"(no {WORKLOADS_FILE}: rerun rule export_policy)")
+    return StaticTree(S, name=name) if len(S) else Autoregressive(name=name)
+
+
+def same_tree(a: TreePolicy, b: TreePolicy) -> bool:
+    """Whether two policies draft the same fixed tree every cycle (both autoregressive, or static trees
+    of the same paths with no stop hook): a method that equals another this way times nothing new."""
+    if a.hook is not None or b.hook is not None:
+        return False
+    if isinstance(a, Autoregressive) and isinstance(b, Autoregressive):
+        return True
+    return (type(a) is StaticTree and type(b) is StaticTree and a.structure.paths == b.structure.paths)
+

@@ -24,7 +24,7 @@ from ogspo.engine.kernels import KernelTable
 from ogspo.engine.model import load_target, read_manifest
 from ogspo.engine.policies import Autoregressive, DynamicTree, StaticTree, TreePolicy, chain
 from ogspo.engine.target import LlamaTreeLM, TreeLM, build_tree_lm, fast_path_refusal
-from ogspo.methods.ogspo import make_ogspo
+from ogspo.methods.ogspo import make_ogspo, make_ogspo_static
 from ogspo.methods.routing import make_routing
 
 DRAFTERS = ("eagle", "lookup", "early-exit")
@@ -74,6 +74,7 @@ class Method:
     config: str | None = None  # its settings in the config, as a dotted key
     evaluate: bool = True  # a kind of `evaluate.methods`
     specs: Callable[[str, Mapping], list[MethodSpec]] | None = None  # evaluate's rows from the evaluate section (default: one)
+    same_as: str | None = None  # evaluate skips it in a cell where it drafts the same fixed tree as this method
 
 
 def structure_policy(path: str | Path, name: str) -> TreePolicy:
@@ -159,6 +160,9 @@ METHOD_RECORDS: dict[str, Method] = {m.name: m for m in (
            lambda a: make_ogspo(policy_path=a.artifact, structure=a.structure, device=a.policy_device, name=a.name or "ogspo",
                                 workload=a.workload),
            config="rounds", artifact=Artifact("export_policy", "policy/{T}", "policy/{T}")),
+    Method("ogspo-static", "the static tree OGSPO's stop policy replaces (where no policy ships: ogspo's own, not run)",
+           lambda a: make_ogspo_static(policy_path=a.artifact, workload=a.workload, name=a.name or "ogspo-static"),
+           config="rounds", artifact=Artifact("export_policy", "policy/{T}", "policy/{T}"), same_as="ogspo"),
     Method("ogspo-structure", "OGSPO's structure as a static tree (ablation)",
            lambda a: structure_policy(_needs(a, "ogspo-structure", "its structure.json"), a.name or "ogspo-structure"),
            config="solve", artifact=Artifact("export_policy", "policy/{T}", "policy/{T}/structure.json")),
@@ -170,6 +174,7 @@ METHOD_RECORDS: dict[str, Method] = {m.name: m for m in (
 REFERENCE = "ar"  # the reference of every speedup and of the lossless check
 AA_CHECK = "ar-aa"  # autoregressive decoding again, as a method of its own: its ratio to `ar` must contain 1.00
 TUNED = "eagle-tuned"
+OGSPO_STATIC = "ogspo-static"  # the static tree ogspo's stop policy replaces: what the policy must beat
 
 
 def method_names() -> tuple[str, ...]:

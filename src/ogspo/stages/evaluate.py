@@ -49,8 +49,8 @@ from ogspo.methods.harness import (
     slot_order,
     slot_seed,
 )
-from ogspo.methods.ogspo import OgspoTree
-from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec, build_policy
+from ogspo.methods.ogspo import OgspoTree, same_tree
+from ogspo.methods.registry import METHOD_RECORDS, REFERENCE, TUNED, MethodSpec, build_policy
 
 
 class LosslessError(ValueError):
@@ -142,13 +142,20 @@ def requests_frame(rows: list[RequestRow]) -> pl.DataFrame:
 
 
 def _cell_engines(methods: list[MethodSpec], *, temp: float, workload: str, artifacts: Mapping[str, str], policy_device: str,
-                  handles: list[tuple], providers: dict, tuned: dict) -> list[MethodEngine]:
+                  handles: list[tuple], providers: dict, tuned: dict, skipped: list[str]) -> list[MethodEngine]:
     """One engine per method for one (temperature, workload) cell, method i on `handles[i]` (its
-    target and drafter); records which onnxruntime provider each OGSPO head runs on (`providers`) and
-    the tuned EAGLE-3 tree of the cell (`tuned`)."""
+    target and drafter), but for a method that would draft the same fixed tree as its record's
+    `same_as` there (named in `skipped`); records which onnxruntime provider each OGSPO head runs on
+    (`providers`) and the tuned EAGLE-3 tree of the cell (`tuned`)."""
     engines = []
-    for spec, (target, drafter) in zip(methods, handles):
-        pol = build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
+    built = [build_policy(spec, temperature=temp, workload=workload, artifacts=artifacts, policy_device=policy_device)
+             for spec in methods]
+    by_name = {spec.name: pol for spec, pol in zip(methods, built)}
+    for spec, pol, (target, drafter) in zip(methods, built, handles):
+        twin = METHOD_RECORDS[spec.kind].same_as
+        if twin in by_name and same_tree(pol, by_name[twin]):  # it would time `twin`'s tree again: not run here
+            skipped.append(f"{spec.name} (the same tree as {twin})")
+            continue
         if isinstance(pol, OgspoTree):  # which onnxruntime provider its head runs on, and why
             providers[f"{spec.name}/{temperature_tag(temp)}/{workload}"] = {"provider": pol.hook.providers[0],
                                                                             "seconds_per_call": pol.hook.provider_seconds}
@@ -224,6 +231,7 @@ def evaluate_methods(
     stability: dict[str, dict[str, float]] = {}
     ref_name = next(m.name for m in methods if m.kind == REFERENCE)
     providers: dict[str, dict] = {}
+    skipped: dict[str, list[str]] = {}  # cell -> methods not run there (the same tree as another)
     speed = SpeedProbe() if latency is not None else None
     cells = [(temp, workload) for temp in temperatures for workload in prompts]
     handles = engine_handles(target, drafter, len(methods), interleave=interleave)  # method i's, in every cell
@@ -234,7 +242,8 @@ def evaluate_methods(
             calib_best[tag], stability[tag] = read_calib_best(Path(artifacts[TUNED].format(T=tag)))
         engines[temp, workload] = _cell_engines(methods, temp=temp, workload=workload, artifacts=artifacts,
                                                 policy_device=policy_device, handles=handles,
-                                                providers=providers, tuned=tuned.setdefault(tag, {}))
+                                                providers=providers, tuned=tuned.setdefault(tag, {}),
+                                                skipped=skipped.setdefault(f"{tag}/{workload}", []))
     budget = DataBudget(seconds=None if minutes is None else minutes * 60)
     budget.charge(time.perf_counter() - t_start)
     n_slots = max(len(v) for v in prompts.values())
@@ -289,7 +298,7 @@ def evaluate_methods(
         settings={"methods": [asdict(m) for m in methods], "temperatures": [float(t) for t in temperatures],
                   "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed, "policy_providers": providers,
                   "light_methods": list(light_methods), "light_prompts": light_prompts, "eos_stops": False,
-                  "interleave": interleave,
+                  "interleave": interleave, "skipped": {c: v for c, v in skipped.items() if v},
                   "tune_winner_stability": stability, "target": target_description(target),
                   "prompts": {w: [p for p, _ in v][:taken] for w, v in prompts.items()},
                   "prompts_asked": n_slots, "budget": budget.describe()},

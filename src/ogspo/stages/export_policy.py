@@ -53,8 +53,8 @@ def run_export_policy(*, rounds_dir: Path, out_dir: Path) -> ExportStageResult:
     exp = write_policy_folder(head=head, structure=structure, lam=meta.get("lambda"), out_dir=out_dir, info=info)
     works = _ship(rounds_dir).get("workloads")
     if works:  # the keep/drop rule's choice per workload
-        write_json(Path(out_dir) / WORKLOADS_FILE,
-                   {w: {"shipped": v["shipped"], "structure": v["structure"]} for w, v in works.items()})
+        write_json(Path(out_dir) / WORKLOADS_FILE, {w: {k: v[k] for k in ("shipped", "structure", "static", "static_structure")}
+                                                    for w, v in works.items()})
     elif (Path(out_dir) / WORKLOADS_FILE).exists():
         (Path(out_dir) / WORKLOADS_FILE).unlink()
     if head is not None and (rounds_dir / SIZE_FILE).is_file():  # the size rule the rounds kept
