@@ -31,14 +31,27 @@ def stage_seconds(bench_dir: Path) -> dict[str, float]:
     return out
 
 
+def skipped_counts(cfg: dict) -> dict[str, int]:
+    """Method -> in how many cells evaluate did not run it (`settings.skipped`)."""
+    counts: dict[str, int] = {}
+    for names in (cfg.get("skipped") or {}).values():
+        for entry in names:
+            m = entry.split(" ", 1)[0]
+            counts[m] = counts.get(m, 0) + 1
+    return counts
+
+
 def settings_line(cfg: dict) -> str:
     if not cfg:
         return "see config/default.yaml, section evaluate"
     n = sorted({len(v) for v in cfg.get("prompts", {}).values()})
     names = ", ".join(m["name"] for m in cfg.get("methods", []))
+    cells = len(cfg.get("prompts", {})) * len(cfg.get("temperatures", []))
     return (f"{'/'.join(map(str, n))} eval prompts per workload x {cfg.get('max_new_tokens')} new tokens x "
             f"{cfg.get('repeats')} repeat(s), T = {', '.join(f'{t:g}' for t in cfg.get('temperatures', []))}; methods: {names}; "
-            f"timed {'side by side, cycle by cycle' if cfg.get('interleave') == 'cycles' else 'one request after another'}")
+            f"timed {'side by side, cycle by cycle' if cfg.get('interleave') == 'cycles' else 'one request after another'}"
+            + "".join(f"; {m} not run in {n} of {cells} cells (there the same tree as another method)"
+                      for m, n in skipped_counts(cfg).items()))
 
 
 def main() -> int:
