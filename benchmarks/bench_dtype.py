@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import SPEC_METHODS, dag_best, run_head  # noqa: E402
-from benchdoc import REPO, cpu_model, git_commit, paired_tables, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, git_commit, paired_tables, require_run, write_section  # noqa: E402
 
 from ogspo.engine import native  # noqa: E402
 from ogspo.engine.kernels import read_kernel_table  # noqa: E402
@@ -56,9 +56,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
     args = ap.parse_args()
     res = args.results
-    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json"):
-        if not (res / need).exists():
-            ap.error(f"{res / need} is missing: run the default workflow first (make run)")
+    require_run(res, ap.error)
     if not native.bf16_available():
         ap.error(f"no native bf16 kernel on this machine ({native.unavailable_reason() or 'no avx512_bf16'})")
 

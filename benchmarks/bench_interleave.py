@@ -27,7 +27,7 @@ import polars as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, git_commit, machine, write_section  # noqa: E402
+from benchdoc import REPO, git_commit, machine, require_run, write_section  # noqa: E402
 
 from ogspo.analysis.compare import ratio_intervals  # noqa: E402
 from ogspo.analysis.summary import calib_best_table  # noqa: E402
@@ -51,9 +51,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
     args = ap.parse_args()
     res = args.results
-    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json"):
-        if not (res / need).exists():
-            ap.error(f"{res / need} is missing: run the default workflow first (make run)")
+    require_run(res, ap.error)
 
     e = load_engine(res / "model", drafter="eagle", drafter_path=res / "drafter",
                     kernels=read_kernel_table(res / "kernels" / "kernels.json"), max_len=2048)

@@ -50,7 +50,7 @@ import polars as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import REPO, cpu_model, paired_tables, write_section  # noqa: E402
+from benchdoc import REPO, cpu_model, paired_tables, require_run, write_section  # noqa: E402
 from llamacpp import (  # noqa: E402
     LlamaServer,
     build_info,
@@ -184,10 +184,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
     args = ap.parse_args()
     res, out = args.results, args.out or args.results / "peers"
-    for need in ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json",
-                 "records"):
-        if not (res / need).exists():
-            ap.error(f"{res / need} is missing: run the default workflow first (make run)")
+    require_run(res, ap.error, extra=("records",))
     torch.set_num_threads(args.threads)
     cache = peers_cache_dir()
     bin_dir = build_llama_cpp(cache)

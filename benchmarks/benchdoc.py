@@ -36,6 +36,16 @@ def machine() -> str:
             f"{', '.join(have) or 'no AVX2'}{'; no ' + ', '.join(lacks) if lacks else ''})")
 
 
+RUN_OUTPUTS = ("model", "workloads", "drafter", "kernels/kernels.json", "latency/latency.json", "evaluate/summary.json")
+
+
+def require_run(results: Path, error, extra: tuple[str, ...] = ()) -> None:
+    """`error` (ArgumentParser.error) naming the first output of the default run missing from `results`."""
+    for need in (*RUN_OUTPUTS, *extra):
+        if not (results / need).exists():
+            error(f"{results / need} is missing: run the default workflow first (make run)")
+
+
 def git_commit() -> str:
     """The short hash of the checkout the benchmark runs (its sections name it)."""
     return os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()

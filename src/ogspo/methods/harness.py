@@ -211,6 +211,15 @@ def run_request(me: MethodEngine, prompt: list[int], *, max_new_tokens: int, see
     return res, _figures(me, res, latency=latency, factor=factor)
 
 
+def run_slot(engines: list[MethodEngine], prompt: list[int], *, interleave: str, max_new_tokens: int, seed: int, latency,
+             speed: SpeedProbe | None = None) -> list[tuple[GenerationResult, dict]]:
+    """One request slot, every engine in the given order: side by side (`run_interleaved`, "cycles") or
+    one request after another (`run_request`, "requests"); a result and its figures per engine."""
+    if interleave == "cycles":
+        return run_interleaved(engines, prompt, max_new_tokens=max_new_tokens, seed=seed, latency=latency, speed=speed)
+    return [run_request(me, prompt, max_new_tokens=max_new_tokens, seed=seed, latency=latency, speed=speed) for me in engines]
+
+
 def run_interleaved(engines: list[MethodEngine], prompt: list[int], *, max_new_tokens: int, seed: int, latency,
                     speed: SpeedProbe | None = None, probe_every: int = 16) -> list[tuple[GenerationResult, dict]]:
     """Decode one request with every method at once, cycle by cycle: each engine's request is

@@ -242,5 +242,4 @@ def same_tree(a: TreePolicy, b: TreePolicy) -> bool:
         return False
     if isinstance(a, Autoregressive) and isinstance(b, Autoregressive):
         return True
-    return (type(a) is StaticTree and type(b) is StaticTree and a.structure.paths == b.structure.paths)
-
+    return type(a) is StaticTree and type(b) is StaticTree and a.structure.paths == b.structure.paths

@@ -5,8 +5,8 @@ on the same weights, every method generating the same number of tokens (EOS does
 here: equal work per pair). By default the methods of a request slot advance side by side, cycle by
 cycle, each on its own fork of the target's and drafter's caches (`run_interleaved`: the machine's
 drift over seconds slows them alike); `interleave: requests` runs them one after another instead, in
-mirrored seeded orders per pair of slots (`slot_order`: drift linear in the position cancels). Per request: complete-request
-throughput (prefill included), tau, the time split (prefill / draft / policy / verify / other; the stop
+mirrored seeded orders per pair of slots (`slot_order`: drift linear in the position cancels). Per
+request: complete-request throughput (prefill included), tau, the time split (prefill / draft / policy / verify / other; the stop
 hook's time, timed by a wrapper, is taken out of "other", where the engine books it; the routing
 baseline's pre-drafting decision stays in "other") and the latency model's prediction for the very
 cycles that ran. At T=0 every method's tokens must equal the autoregressive output: a real mismatch
@@ -44,8 +44,7 @@ from ogspo.methods.harness import (
     engine_handles,
     make_method_engine,
     pair_seed,
-    run_interleaved,
-    run_request,
+    run_slot,
     slot_order,
     slot_seed,
 )
@@ -265,10 +264,8 @@ def evaluate_methods(
                     here = [cell[j] for j in order if cell[j].spec.kind not in light_methods or index < light_prompts]
                     target.prefill(prompt)  # untimed (every method's engine shares it): the slot's first method meets warm shapes
                     out: dict[str, RequestRow] = {}
-                    timed = (run_interleaved(here, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency,
-                                             speed=speed) if interleave == "cycles" else
-                             [run_request(me, prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=latency, speed=speed)
-                              for me in here])
+                    timed = run_slot(here, prompt, interleave=interleave, max_new_tokens=max_new_tokens, seed=rseed,
+                                     latency=latency, speed=speed)
                     for pos, (me, (res, fig)) in enumerate(zip(here, timed)):
                         if len(res.tokens) != max_new_tokens:  # pragma: no cover - the engine stops at max_new_tokens
                             raise RuntimeError(f"method '{me.spec.name}' generated {len(res.tokens)} tokens, "

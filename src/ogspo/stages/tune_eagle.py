@@ -18,15 +18,7 @@ import numpy as np
 from ogspo.analysis.summary import SEQUOIA, quantile
 from ogspo.artifacts.io import write_json
 from ogspo.engine.policies import Autoregressive, DynamicTree, TreePolicy
-from ogspo.methods.harness import (
-    engine_handles,
-    make_method_engine,
-    pair_seed,
-    run_interleaved,
-    run_request,
-    slot_order,
-    slot_seed,
-)
+from ogspo.methods.harness import engine_handles, make_method_engine, pair_seed, run_slot, slot_order, slot_seed
 from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec
 
 
@@ -115,10 +107,8 @@ def tune_eagle(
         for index, (prompt_id, prompt) in enumerate(plist):
             rseed = slot_seed(seed, workload, prompt_id, 0)
             order = slot_order(len(engines), pair_seed(seed, temperature, workload, index, 0), index)
-            timed = (run_interleaved([engines[j] for j in order], prompt, max_new_tokens=max_new_tokens, seed=rseed,
-                                     latency=None) if interleave == "cycles" else
-                     [run_request(engines[j], prompt, max_new_tokens=max_new_tokens, seed=rseed, latency=None)
-                      for j in order])
+            timed = run_slot([engines[j] for j in order], prompt, interleave=interleave, max_new_tokens=max_new_tokens,
+                             seed=rseed, latency=None)
             for j, (res, _) in zip(order, timed):
                 tps[j, index] = res.throughput
                 taus[j].append((res.tau, len(res.cycles)))
