@@ -1,5 +1,6 @@
-# Stage: posterior verification records (docs/DESIGN.md §3): per workload and temperature, draft and
-# verify the whole template T every cycle; resumable parquet shards. Then a summary.
+# Stage: posterior verification records (docs/DESIGN.md §3): per workload and temperature,
+# draft the whole template T every cycle and learn its outcome (one forward over T or the accepted path
+# row by row, records.verify); resumable parquet shards. Then a summary.
 # The declared output is a completion flag, not the folder: Snakemake deletes a job's outputs
 # before (re)running it, and the shards already written must survive an interrupted run.
 

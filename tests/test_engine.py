@@ -126,6 +126,31 @@ def test_forked_requests_stepped_in_turn_decode_as_alone(backend, drafter_kind):
         engines[0].step(gens[0])
 
 
+@pytest.mark.parametrize("backend", ["llama", "hf"])
+@pytest.mark.parametrize("drafter_kind", ["lm", "lookup", "eagle"])
+def test_path_verification_decodes_as_a_tree_pass(backend, drafter_kind):
+    """`verify="path"` (the accepted path forwarded one row at a time) commits exactly what one forward
+    over the tree commits, cycle by cycle, at T=0 (= greedy decoding) and T=1 (same seeds), and hands
+    the drafter the path's rows: the next cycles' drafts are the same too."""
+    target_model = tiny_model(0)
+    head = make_head(target_model) if drafter_kind == "eagle" else None
+    drafter = {"lm": lambda: LMDrafter(build_tree_lm(tiny_model(1), max_len=128)), "lookup": PromptLookupDrafter,
+               "eagle": lambda: EagleDrafter(head, max_len=128)}[drafter_kind]()
+    target = build_tree_lm(target_model, backend=backend, max_len=128, feature_layers=drafter.feature_layers)
+    for temperature in (0.0, 1.0):
+        for policy in (chain(3), StaticTree(Structure.full([3, 2, 1])), DynamicTree(total_tokens=12, depth=4, top_k=3)):
+            runs = {mode: SpeculativeEngine(target=target, policy=policy, drafter=drafter, temperature=temperature,
+                                            verify=mode).generate(PROMPTS[2], max_new_tokens=24, seed=5)
+                    for mode in ("tree", "path")}
+            assert runs["path"].tokens == runs["tree"].tokens, f"{policy.name} at T={temperature}"
+            assert [c.accepted for c in runs["path"].cycles] == [c.accepted for c in runs["tree"].cycles]
+            assert [c.tree_size for c in runs["path"].cycles] == [c.tree_size for c in runs["tree"].cycles]
+            if temperature == 0:
+                assert runs["path"].tokens == hf_greedy(target_model, PROMPTS[2], 24)
+    with pytest.raises(ValueError, match="verify must be one of tree, path, got 'rows'"):
+        SpeculativeEngine(target=target, policy=chain(2), drafter=drafter, verify="rows")
+
+
 def test_bad_inputs_give_one_clear_line():
     model = tiny_model(0)
     engine = SpeculativeEngine(target=build_tree_lm(model, max_len=64), policy=Autoregressive())

@@ -33,11 +33,13 @@ def _setup(max_len=256):
     return target, drafter
 
 
-def _collect(out, *, temperature=0.0, shard_size=2, prompts=PROMPTS, template=TEMPLATE, seed=0, model="m" * 64, minutes=None):
+def _collect(out, *, temperature=0.0, shard_size=2, prompts=PROMPTS, template=TEMPLATE, seed=0, model="m" * 64, minutes=None,
+             verify="tree"):
     target, drafter = _setup()
     return collect_records(
         target=target, drafter=drafter, template=template, prompts=prompts, temperature=temperature, seed=seed,
         max_new_tokens=14, out_dir=out, shard_size=shard_size, model_checksum=model, drafter_id="ee1", minutes=minutes,
+        verify=verify,
     )
 
 
@@ -243,6 +245,69 @@ def test_records_round_trip_and_summary(tmp_path):
     s = summarize_records(rec)
     assert s.n_cycles == rec.cycles.height and s.tau == pytest.approx(rec.cycles["accepted_length"].mean())
     assert 0 <= s.off_top1 <= 1 and "| depth |" in s.to_markdown("x")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_records_verified_by_path_equal_a_tree_pass_where_either_decides(tmp_path, temperature):
+    """Forwarding the accepted path one row at a time (`verify="path"`) commits the same tokens along the
+    same template paths as one pass over the whole template, with the same drafts, the same target
+    values for every child of a path node, and the same summary; only the nodes under a rejected
+    parent are left undecided (null), at T=0 their match and at any T their target log-prob."""
+    t = _collect(tmp_path / "tree", temperature=temperature)
+    p = _collect(tmp_path / "path", temperature=temperature, verify="path")
+    rt, rp = load_records(tmp_path / "tree"), load_records(tmp_path / "path")
+    assert rp.cycles.drop(TIMING).equals(rt.cycles.drop(TIMING)) and p.n_cycles == t.n_cycles
+    drafts = ["request_id", "cycle", "node", "tnode", "rank_path", "depth", "parent", "token", "logq", "cum_logq", "entropy"]
+    assert rp.nodes.select(drafts).equals(rt.nodes.select(drafts))
+    # the nodes a path verification decides: depth 1 and the children of accepted nodes
+    on_path = {(r, c, q) for r, c, ps in rt.cycles.select("request_id", "cycle", "accepted_paths").iter_rows() for q in ps}
+    parent = [q.rsplit(".", 1)[0] if "." in q else "" for q in rt.nodes["rank_path"].to_list()]
+    decided = np.array([q == "" or (r, c, q) in on_path
+                        for r, c, q in zip(rt.nodes["request_id"].to_list(), rt.nodes["cycle"].to_list(), parent)])
+    assert decided.any() and not decided.all()
+    tl_t, tl_p = rt.nodes["target_logp"].to_numpy(), rp.nodes["target_logp"].to_numpy()
+    assert np.isnan(tl_p[~decided]).all() and not np.isnan(tl_t).any()
+    np.testing.assert_allclose(tl_p[decided], tl_t[decided], rtol=0, atol=1e-9)
+    m_t, m_p = rt.nodes["match"].to_list(), rp.nodes["match"].to_list()
+    assert [m for m, d in zip(m_p, decided) if d] == [m for m, d in zip(m_t, decided) if d]
+    assert all((m is None) == (temperature == 0) for m, d in zip(m_p, decided) if not d)
+    st, sp = summarize_records(rt), summarize_records(rp)
+    assert sp.match_by_depth == pytest.approx(st.match_by_depth) and sp.accept_by_depth == st.accept_by_depth
+    assert [read_shard_meta(f)["verify"] for f in p.shards] == ["path", "path"]
+
+
+def test_records_auto_verification_weighs_the_timed_forwards_per_shard(tmp_path, monkeypatch):
+    """`auto` times a template forward and a one-row forward once, then picks for each shard the mode
+    that is cheaper at the accepted length of the shards before it (2 before any); shards verified
+    either way load together, and the mode is each shard's metadata."""
+    from ogspo.stages import collect_records as cr
+
+    assert cr.choose_verify({"tree_seconds": 5.0, "row_seconds": 2.0}, None) == "path"  # 2 x 2 < 5
+    assert cr.choose_verify({"tree_seconds": 5.0, "row_seconds": 2.0}, 3.0) == "tree"  # 3 x 2 > 5
+    assert cr.choose_verify({"tree_seconds": 1.0, "row_seconds": 0.9}, 1.0) == "path"
+    seen = []
+    monkeypatch.setattr(cr, "time_verification", lambda *a, **k: {"tree_seconds": 1.0, "row_seconds": 0.4, "tree_rows": 16})
+    real = cr.choose_verify
+    monkeypatch.setattr(cr, "choose_verify", lambda timing, a: seen.append(a) or real(timing, a))
+    r = _collect(tmp_path / "a", shard_size=1, verify="auto")
+    assert seen[0] is None and all(a >= 1 for a in seen[1:]) and len(seen) == 3
+    modes = [read_shard_meta(f)["verify"] for f in r.shards]
+    assert modes == [real({"tree_seconds": 1.0, "row_seconds": 0.4}, a) for a in seen]
+    assert r.verify["shards"] == dict(enumerate(modes)) and r.verify["asked"] == "auto"
+    tree = _collect(tmp_path / "b", shard_size=1)
+    assert load_records(tmp_path / "a").cycles.drop(TIMING).equals(load_records(tmp_path / "b").cycles.drop(TIMING))
+    assert tree.verify["shards"] == {0: "tree", 1: "tree", 2: "tree"}
+    with pytest.raises(ValueError, match="records verify must be one of tree, path, auto; got 'fast'"):
+        _collect(tmp_path / "c", verify="fast")
+
+
+def test_time_verification_leaves_the_cache_empty():
+    from ogspo.stages.collect_records import time_verification
+
+    target, _ = _setup()
+    timing = time_verification(target, TEMPLATE, PROMPTS[0], reps=1)
+    assert timing["tree_rows"] == len(TEMPLATE) + 1 and timing["tree_seconds"] > 0 and timing["row_seconds"] > 0
+    assert target.cache.length == 0 and target.cache.pending == 0
 
 
 def test_records_refuse_corrupt_and_foreign(tmp_path):

@@ -267,9 +267,10 @@ def _run_collect_records(args: argparse.Namespace) -> int:
         target=target, drafter=drafter, template=Structure.full(tpl["widths"]), prompts=prompts, request_ids=ids,
         temperature=args.temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"], out_dir=args.out,
         shard_size=rc["shard_size"], model_checksum=checksum, drafter_id=drafter_id, eos_token_id=tok.eos_token_id,
-        minutes=rc["minutes"],
+        minutes=rc["minutes"], verify=rc["verify"],
     )
     print(
+        f"verification {res.verify}; "
         f"{len(prompts)} prompts asked, {len(res.shards)} shards taken ({len(res.computed)} computed, "
         f"{len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in {res.seconds:.0f} s -> {args.out}; "
         f"budget {res.budget}"

@@ -120,6 +120,11 @@ def write_shard_table(df: pl.DataFrame, path: Path, meta: dict) -> None:
     atomic_write(path, lambda tmp: df.write_parquet(tmp, metadata={META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
+# metadata of one shard alone (a folder's shards agree on the rest): its position, requests, sizes, seconds and
+# how it was verified (records.verify `auto` may verify shards differently; the records agree either way)
+SHARD_OWN = ("shard", "request_ids", "n_node_rows", "n_cycle_rows", "seconds", "verify")
+
+
 def load_records(
     path: Path,
     *,
@@ -153,7 +158,7 @@ def load_records(
             raise ValueError(f"records shard {cp}: node and cycle files come from different runs")
         check_shard_meta(mc, cp, expect_model=expect_model, expect_drafter=expect_drafter, expect_template=expect_template,
                     expect_temperature=expect_temperature)
-        base = {k: v for k, v in mc.items() if k not in ("shard", "request_ids", "n_node_rows", "n_cycle_rows", "seconds")}
+        base = {k: v for k, v in mc.items() if k not in SHARD_OWN}
         if common is None:
             common = base
         elif base != common:
@@ -179,7 +184,7 @@ class RecordsSummary:
     n_requests: int
     n_cycles: int
     tau: float  # mean accepted length (bonus included) under the full template
-    match_by_depth: list[float]  # P(match) of nodes at depth d (index d-1)
+    match_by_depth: list[float]  # P(match) of nodes at depth d (index d-1) whose parent the accepted path reached
     accept_by_depth: list[float]  # P(accepted path reaches depth d)
     accept_by_rank: dict[str, float]  # share of accepted nodes with sibling rank r
     off_top1: float  # share of cycles whose accepted path leaves the top-1 chain
@@ -195,7 +200,7 @@ class RecordsSummary:
             f"accepted path off the top-1 chain in {100 * self.off_top1:.1f}% of cycles; "
             f"mean draft {1e3 * self.mean_draft_seconds:.1f} ms, verify {1e3 * self.mean_verify_seconds:.1f} ms per cycle.",
             "",
-            "| depth | P(match) | P(reach) |",
+            "| depth | P(match), parent reached | P(reach) |",
             "|---|---|---|",
         ]
         for d, (m, a) in enumerate(zip(self.match_by_depth, self.accept_by_depth), 1):
@@ -208,6 +213,13 @@ class RecordsSummary:
 def summarize_records(records: Records) -> RecordsSummary:
     nodes, cycles = records.nodes, records.cycles
     depth = records.template.max_depth
+    # a node's match counts where its parent is the root or on the accepted path: the nodes either verification
+    # decides (a tree pass also decides the rest; records verified by path leave them null)
+    reached = (cycles.select("request_id", "cycle", pl.col("accepted_paths").alias("parent_path")).explode("parent_path")
+               .drop_nulls("parent_path").with_columns(reached=pl.lit(True)))
+    nodes = (nodes.with_columns(parent_path=pl.col("rank_path").str.replace(r"\.?[0-9]+$", ""))
+             .join(reached, on=["request_id", "cycle", "parent_path"], how="left")
+             .filter((pl.col("depth") == 1) | pl.col("reached").fill_null(False)))
     by_depth = nodes.group_by("depth").agg(pl.col("match").mean()).sort("depth")
     match = dict(zip(by_depth["depth"].to_list(), by_depth["match"].to_list()))
     acc_len = (cycles["accepted_length"] - 1).to_numpy()  # [C] accepted drafted nodes

@@ -1,5 +1,10 @@
 """The decoding cycle (docs/DESIGN.md §1): draft level by level, verify the tree in one target pass,
-commit the accepted path plus a bonus token, and compact the KV cache to the accepted rows."""
+commit the accepted path plus a bonus token, and compact the KV cache to the accepted rows.
+
+`verify="path"` reaches the same verdict by forwarding the accepted path one node at a time (the
+root, then each node its parent accepted; `verify.verify_path`): one one-row forward per committed
+token instead of one forward over the tree. Records use it where a forward of the whole template
+costs more than the path's steps (`stages/collect_records.py`)."""
 
 from __future__ import annotations
 
@@ -21,8 +26,11 @@ from .verify import (
     sample_inverse_cdf,
     target_probs,
     verify_greedy,
+    verify_path,
     verify_stochastic,
 )
+
+VERIFY_MODES = ("tree", "path")
 
 
 @dataclass
@@ -50,8 +58,9 @@ class CycleTrace:
     context_length: int  # committed KV rows before the cycle (the root is not among them)
     drafted: DraftTree  # every drafted node
     verified: np.ndarray  # [m] drafted-tree indices sent to verification, root first
-    tree: DraftTree  # the verified tree (rows of `logits`)
-    logits: torch.Tensor  # [m, vocab] target logits, one row per verified node
+    tree: DraftTree  # the verified tree (`verified` of `drafted`)
+    logits: torch.Tensor  # [r, vocab] target logits of the nodes of `tree` that were forwarded (`rows`)
+    rows: np.ndarray  # [r] `tree` indices of the logits' rows (tree verification: all, in order; path: the accepted path)
     verdict: Verdict  # path/matches index `tree`
     committed: list[int]  # accepted drafted tokens then the bonus token
     stats: CycleStats
@@ -115,7 +124,10 @@ class SpeculativeEngine:
         eos_token_id: int | None = None,
         stop_hook: StopHook | None = None,
         cycle_observer: Callable[[CycleTrace], None] | None = None,
+        verify: str = "tree",
     ):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -127,6 +139,7 @@ class SpeculativeEngine:
         self.eos_token_id = eos_token_id
         self.stop_hook = stop_hook
         self.cycle_observer = cycle_observer  # called after every cycle (outside its timing)
+        self.verify = verify  # "tree": one forward over the tree; "path": the accepted path one row at a time
 
     def _check_prompt(self, prompt: list[int], max_new_tokens: int) -> None:
         if len(prompt) == 0:
@@ -206,31 +219,36 @@ class SpeculativeEngine:
             tree, _ = tree.subset(draft.verified)
         n = len(tree)
         L = cache.length
-        positions = torch.as_tensor(L + tree.depths, device=dev)  # [n]
-        attend = None if n == 1 else torch.as_tensor(ancestor_matrix(tree.parents, tree.depths), device=dev)  # [n, n]
-        tokens = torch.as_tensor(tree.tokens, device=dev)  # [n]
+        seed = cycle_seed(ctx.request_seed, ctx.index)
         synchronize(dev)
         t1 = time.perf_counter()
-        fwd = self.target.forward(tokens, positions, attend)
-        synchronize(dev)
-        t2 = time.perf_counter()
-        seed = cycle_seed(ctx.request_seed, ctx.index)
-        verdict: Verdict
-        if self.temperature == 0:
-            verdict = verify_greedy(tree, fwd.logits)
+        if self.verify == "path":
+            fwd, verdict = self._verify_path(tree, seed)  # commits the path as it goes
+            rows = verdict.rows
+            synchronize(dev)
+            t2 = time.perf_counter()
         else:
-            verdict = verify_stochastic(
-                tree, fwd.logits, CycleRandom.from_seed(seed), temperature=self.temperature, top_p=self.top_p
-            )
+            positions = torch.as_tensor(L + tree.depths, device=dev)  # [n]
+            attend = None if n == 1 else torch.as_tensor(ancestor_matrix(tree.parents, tree.depths), device=dev)  # [n, n]
+            fwd = self.target.forward(torch.as_tensor(tree.tokens, device=dev), positions, attend)
+            synchronize(dev)
+            t2 = time.perf_counter()
+            if self.temperature == 0:
+                verdict = verify_greedy(tree, fwd.logits)
+            else:
+                verdict = verify_stochastic(
+                    tree, fwd.logits, CycleRandom.from_seed(seed), temperature=self.temperature, top_p=self.top_p
+                )
+            cache.commit(torch.as_tensor(L + np.asarray(verdict.path, dtype=np.int64), device=dev))
+            rows = np.arange(n)
         path = np.asarray(verdict.path, dtype=np.int64)
-        cache.commit(torch.as_tensor(L + path, device=dev))
         committed = [int(t) for t in tree.tokens[path[1:]]] + [verdict.bonus]
         if self.drafter is not None:
             mask = np.zeros(len(draft.drafted), dtype=bool)
             mask[draft.verified[path]] = True
             self.drafter.observe(
                 Observation(
-                    tree=draft.drafted, accept_mask=mask, committed=committed, target=fwd, verified=draft.verified
+                    tree=draft.drafted, accept_mask=mask, committed=committed, target=fwd, verified=draft.verified[rows]
                 )
             )
         synchronize(dev)
@@ -248,11 +266,30 @@ class SpeculativeEngine:
             self.cycle_observer(
                 CycleTrace(
                     request_seed=ctx.request_seed, index=ctx.index, root=root, context_length=L, drafted=draft.drafted,
-                    verified=draft.verified, tree=tree, logits=fwd.logits, verdict=verdict, committed=committed,
-                    stats=stats,
+                    verified=draft.verified, tree=tree, logits=fwd.logits, rows=rows, verdict=verdict,
+                    committed=committed, stats=stats,
                 )
             )
         return stats, committed
+
+    def _verify_path(self, tree: DraftTree, seed: int) -> tuple[ForwardOut, Verdict]:
+        """Verify `tree` by forwarding its accepted path one node at a time, each row committed as it
+        is computed (every forwarded node is on the path). Returns the rows' outputs [r] and the verdict."""
+        cache, dev = self.target.cache, self.target.device
+        outs: list[ForwardOut] = []
+
+        def row(node: int) -> torch.Tensor:  # [vocab]
+            L = cache.length
+            out = self.target.forward(torch.as_tensor(tree.tokens[node : node + 1], device=dev),
+                                      torch.tensor([L], device=dev), None)  # position L = the committed rows so far
+            cache.commit_prefix(1)
+            outs.append(out)
+            return out.logits[0]
+
+        rand = CycleRandom.from_seed(seed) if self.temperature > 0 else None
+        verdict = verify_path(tree, row, rand, temperature=self.temperature, top_p=self.top_p)
+        features = None if outs[0].features is None else torch.cat([o.features for o in outs])  # [r, F]
+        return ForwardOut(logits=torch.cat([o.logits for o in outs]), features=features), verdict  # logits [r, V]
 
     def cycle_from(self, context: list[int], root: int, *, request_seed: int, index: int,
                    prompt_length: int | None = None) -> tuple[CycleStats, list[int]]:

@@ -16,10 +16,17 @@ Random numbers come from a per-cycle seed: U[depth, rank] decides sibling `rank`
 node at `depth`, B[depth] draws the bonus there. Only the active (accepted) node at each depth
 consumes numbers, so the same seed replays the same path, and for any left- and ancestor-closed
 sub-structure the accepted path is the longest prefix of the full tree's path inside it.
+
+Both rules only ever read the target's row of a node on the accepted path (the root, then each
+accepted node): that is what lets `verify_path` ask for the rows one at a time, forwarding each
+node only once its parent accepted it (the engine's `verify="path"`), and reach the same verdict
+as a forward over the whole tree. Where a tree forward costs many one-row steps (a CPU past its
+roofline) and few nodes are accepted, that is the cheaper way to learn a large tree's outcome.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +62,7 @@ class Verdict:
     path: list[int]  # accepted node indices, root first (root always accepted)
     bonus: int  # token sampled from the target at the end of the path
     matches: np.ndarray  # [n] bool: node accepted (T>0) / node matches the target argmax at its parent (T=0)
+    rows: np.ndarray | None = None  # nodes whose target row was computed, in order (None: every node, a tree forward)
 
 
 def target_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -99,13 +107,46 @@ def verify_stochastic(
     tree: DraftTree, logits: torch.Tensor, rand: CycleRandom, *, temperature: float, top_p: float = 1.0
 ) -> Verdict:
     """Recursive rejection sampling over ranked siblings with point-mass proposals (lossless)."""
+    verdict = _walk_stochastic(tree, lambda node: logits[node], rand, temperature=temperature, top_p=top_p)
+    verdict.rows = None
+    return verdict
+
+
+def verify_path(tree: DraftTree, row: Callable[[int], torch.Tensor], rand: CycleRandom | None, *, temperature: float,
+                top_p: float = 1.0) -> Verdict:
+    """The verdict of `verify_greedy` (T=0) or `verify_stochastic` (T>0) from the target rows of the
+    accepted path alone: `row(node)` [vocab] is called once per path node, root first, each after its
+    parent accepted it (so it may run the forward then). `matches` is decided for the children of
+    path nodes (T=0: False elsewhere, undecided); `rows` lists the nodes asked for."""
+    if temperature > 0:
+        if rand is None:
+            raise ValueError("stochastic verification needs the cycle's random numbers")
+        return _walk_stochastic(tree, row, rand, temperature=temperature, top_p=top_p)
+    kids = children_lists(tree.parents, tree.ranks)
+    matches = np.zeros(len(tree), dtype=bool)
+    path, cur = [0], 0
+    while True:
+        best = int(row(cur).argmax())
+        accepted = -1
+        for child in kids[cur]:
+            matches[child] = int(tree.tokens[child]) == best
+            if matches[child] and accepted < 0:  # siblings carry distinct tokens at T=0; the first wins regardless
+                accepted = child
+        if accepted < 0:
+            return Verdict(path=path, bonus=best, matches=matches, rows=np.asarray(path, dtype=np.int64))
+        path.append(accepted)
+        cur = accepted
+
+
+def _walk_stochastic(tree: DraftTree, row: Callable[[int], torch.Tensor], rand: CycleRandom, *, temperature: float,
+                     top_p: float) -> Verdict:
     kids = children_lists(tree.parents, tree.ranks)
     matches = np.zeros(len(tree), dtype=bool)
     path = [0]
     cur = 0
     while True:
         # [V] on the CPU: one copy, then scalar reads
-        p = target_probs(logits[cur : cur + 1].cpu(), temperature=temperature, top_p=top_p)[0]
+        p = target_probs(row(cur)[None].cpu(), temperature=temperature, top_p=top_p)[0]
         depth = int(tree.depths[cur])
         accepted = -1
         for child in kids[cur]:
@@ -116,7 +157,8 @@ def verify_stochastic(
                 break
             p[x] = 0.0  # residual: drop the rejected token, renormalisation is implicit
         if accepted < 0:
-            return Verdict(path=path, bonus=sample_inverse_cdf(p, rand.bonus[depth]), matches=matches)
+            return Verdict(path=path, bonus=sample_inverse_cdf(p, rand.bonus[depth]), matches=matches,
+                           rows=np.asarray(path, dtype=np.int64))
         matches[accepted] = True
         path.append(accepted)
         cur = accepted

@@ -1,10 +1,20 @@
 """Stage `collect_records`: posterior verification records (docs/DESIGN.md §3).
 
-Each cycle drafts the whole superset template T (`StaticTree(T)`), verifies all of T in one target
-pass and commits the accepted path as usual. A *shard* covers `shard_size` consecutive prompts and
-is two parquet files, each carrying the same key-value metadata ``ogspo_records`` (JSON: schema
-version, model checksum, drafter id, template rank paths, temperature, seed, shard index, row
-counts). ``shard-XXXX.nodes.parquet`` is written first, ``shard-XXXX.cycles.parquet`` last (each via
+Each cycle drafts the whole superset template T (`StaticTree(T)`), verifies it and commits the
+accepted path as usual. Verification learns the same outcome two ways (`verify`): one target pass
+over all of T (`tree`), or the accepted path one row at a time (`path`: the root, then each node its
+parent accepted; `engine.verify.verify_path`), which costs one one-row step per committed token. On
+a CPU a forward over T's 82 rows costs ~9 steps on the AMD EPYC Zen 3 and the accepted path is ~2,
+so `path` takes several times the requests in the same minutes; on a GPU the tree pass costs about
+one step and wins. `auto` times both forwards on this device at the start and takes, before each
+shard, the cheaper at the accepted length the records have shown so far (2 before any).
+Nothing the learning reads differs: the accepted path and every child of a path node are decided
+either way; `path` leaves the target's values of the other nodes undecided (null).
+
+A *shard* covers `shard_size` consecutive prompts and is two parquet files, each carrying the same
+key-value metadata ``ogspo_records`` (JSON: schema version, model checksum, drafter id, template rank
+paths, temperature, seed, shard index, row counts, its seconds and `verify`, how it was verified).
+``shard-XXXX.nodes.parquet`` is written first, ``shard-XXXX.cycles.parquet`` last (each via
 temp file + rename), so a shard is complete exactly when its cycles file exists and both files
 agree. Collection skips complete shards: an interrupted run loses at most one shard.
 
@@ -23,8 +33,10 @@ Node table (one row per drafted node, root excluded):
 | logq | f64 | drafter log-prob of the token at its parent |
 | cum_logq | f64 | sum of `logq` from the root down |
 | entropy | f64 | drafter entropy at the parent |
-| target_logp | f64 | target log-prob of the token at its parent's row: log_softmax(logits / T) (T=1 when T=0) |
-| match | bool | T=0: token == target argmax at the parent; T>0: node accepted by rejection sampling |
+| target_logp | f64 | target log-prob of the token at its parent's row: log_softmax(logits / T) (T=1 when T=0); null (1) |
+| match | bool | T=0: token == target argmax at the parent, null (1); T>0: accepted by rejection sampling (False: never tried) |
+
+(1) where the parent's row was not computed (`path`: a parent off the accepted path).
 
 Cycle table (one row per cycle):
 
@@ -37,7 +49,7 @@ Cycle table (one row per cycle):
 | root_token | i64 | the cycle's root (last committed token) |
 | tree_size | i32 | drafted nodes (root excluded; may be < |T| for model-free drafters) |
 | draft_seconds | list[f64] | measured drafter time per level |
-| verify_seconds | f64 | measured target tree forward |
+| verify_seconds | f64 | measured target forwards of the verification (`tree`: one; `path`: one per path node) |
 | cycle_seconds | f64 | whole cycle |
 | accepted_tnodes | list[i32] | accepted path as template node ids (root excluded) |
 | accepted_paths | list[str] | the same as rank paths |
@@ -51,6 +63,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import torch
 
@@ -67,10 +80,10 @@ from ogspo.artifacts.records import (
     write_shard_table,
 )
 from ogspo.drafter.budget import WRITE, DataBudget
-from ogspo.engine.decode import CycleTrace, SpeculativeEngine
+from ogspo.engine.decode import VERIFY_MODES, CycleTrace, SpeculativeEngine
 from ogspo.engine.drafters import TreeDrafter
 from ogspo.engine.policies import StaticTree
-from ogspo.engine.target import TreeLM
+from ogspo.engine.target import TreeLM, synchronize
 from ogspo.engine.tree import Structure, node_rank_paths
 
 
@@ -82,6 +95,7 @@ class RecordsResult:
     n_cycles: int  # cycles computed by this call
     seconds: float
     budget: dict = field(default_factory=dict)  # DataBudget.describe() of the shards taken
+    verify: dict = field(default_factory=dict)  # how each computed shard was verified, and the timings `auto` chose by
 
 
 def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> dict[str, list]:
@@ -90,11 +104,17 @@ def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> d
         raise ValueError("records need every drafted node verified (a static template policy)")
     n = len(tree)
     paths = node_rank_paths(tree.parents, tree.ranks)
-    logits = trace.logits.double()  # [n, V]
-    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)  # [n, V]
-    par = torch.as_tensor(tree.parents[1:], device=logp.device)  # [n-1]
-    tok = torch.as_tensor(tree.tokens[1:], device=logp.device)  # [n-1]
-    tlogp = logp[par, tok].cpu().numpy()  # [n-1]
+    logp = torch.log_softmax(trace.logits.double() / (temperature if temperature > 0 else 1.0), dim=-1)  # [r, V]
+    row_of = np.full(n, -1, dtype=np.int64)
+    row_of[trace.rows] = np.arange(len(trace.rows))
+    prow = row_of[tree.parents[1:]]  # [n-1] the parent's row; -1 where it was not computed (path verification)
+    known = prow >= 0  # [n-1]
+    tlogp = np.full(n - 1, np.nan)
+    rows = torch.as_tensor(prow[known], device=logp.device)  # [k]
+    tlogp[known] = logp[rows, torch.as_tensor(tree.tokens[1:][known], device=logp.device)].cpu().numpy()  # [k]
+    matches = verdict.matches[1:].tolist()
+    if temperature == 0:  # the argmax of an uncomputed row is unknown
+        matches = [m if k else None for m, k in zip(matches, known.tolist())]
     return {
         "request_id": [rid] * (n - 1),
         "cycle": [trace.index] * (n - 1),
@@ -107,9 +127,39 @@ def _node_rows(trace: CycleTrace, rid: str, tidx: dict, temperature: float) -> d
         "logq": tree.logq[1:].tolist(),
         "cum_logq": tree.cum_logq[1:].tolist(),
         "entropy": tree.entropy[1:].tolist(),
-        "target_logp": tlogp.tolist(),
-        "match": verdict.matches[1:].tolist(),
+        "target_logp": [float(v) if k else None for v, k in zip(tlogp.tolist(), known.tolist())],
+        "match": matches,
     }
+
+
+def time_verification(target: TreeLM, template: Structure, context: list[int], *, reps: int = 3) -> dict[str, float]:
+    """Median seconds of a target forward over the template's |T| + 1 rows and over one row, after
+    `context` (interleaved, `reps` each after a warm-up of both): what `auto` weighs. Leaves the cache empty."""
+    dev = target.device
+    n = len(template) + 1
+    times: dict[int, list[float]] = {n: [], 1: []}
+    target.prefill(context)
+    L = target.cache.length
+    for rep in range(reps + 1):
+        for m in (n, 1):
+            tokens = torch.as_tensor(context[-1:] * m, device=dev)  # [m]
+            positions = torch.arange(L, L + m, device=dev)  # [m]
+            synchronize(dev)
+            t0 = time.perf_counter()
+            target.forward(tokens, positions, None)
+            synchronize(dev)
+            if rep:
+                times[m].append(time.perf_counter() - t0)
+            target.cache.commit(None)
+    target.cache.reset()
+    return {"tree_seconds": float(np.median(times[n])), "row_seconds": float(np.median(times[1])), "tree_rows": n}
+
+
+def choose_verify(timing: dict[str, float], mean_accepted: float | None) -> str:
+    """`path` when its one-row forwards (one per committed token) cost less than one forward over the
+    template at the accepted length seen so far (2 before any record)."""
+    a = 2.0 if mean_accepted is None else mean_accepted
+    return "path" if a * timing["row_seconds"] < timing["tree_seconds"] else "tree"
 
 
 def _cycle_row(trace: CycleTrace, rid: str, rseed: int, tidx: dict) -> dict:
@@ -153,8 +203,11 @@ def collect_records(
     eos_token_id: int | None = None,
     progress=None,
     minutes: float | None = None,
+    verify: str = "tree",
 ) -> RecordsResult:
     """Draft and verify all of `template` every cycle over `prompts`; write resumable shards to `out_dir`.
+    `verify`: `tree`, `path` or `auto` (see the module docstring); the records are the same either way
+    but for the nodes `path` leaves undecided, and a shard's own mode is in its metadata (`verify`).
 
     Within `minutes` (None: every prompt): shards are taken in order while the seconds spent plus the
     next one's predicted seconds (at the rate of the shards measured so far, `DataBudget`) fit; the first
@@ -163,6 +216,8 @@ def collect_records(
     exactly the requests taken."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    if verify not in (*VERIFY_MODES, "auto"):
+        raise ValueError(f"records verify must be one of {', '.join(VERIFY_MODES)}, auto; got {verify!r}")
     if request_ids is None:
         request_ids = [f"p{i}" for i in range(len(prompts))]
     if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
@@ -193,10 +248,13 @@ def collect_records(
         for k, v in _cycle_row(trace, current["rid"], current["rseed"], tidx).items():
             cycles[k].append(v)
 
-    engine = SpeculativeEngine(
+    engines = {mode: SpeculativeEngine(
         target=target, policy=StaticTree(template, name="records"), drafter=drafter, temperature=temperature,
-        eos_token_id=eos_token_id, cycle_observer=observe,
-    )
+        eos_token_id=eos_token_id, cycle_observer=observe, verify=mode,
+    ) for mode in VERIFY_MODES}
+    timing = time_verification(target, template, prompts[0]) if verify == "auto" and prompts else None
+    accepted = {"tokens": 0, "cycles": 0}  # over the shards computed so far, for `auto`
+    modes: dict[int, str] = {}
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     shards, computed, n_cycles = [], [], 0
     budget = DataBudget(seconds=None if minutes is None else minutes * 60)
@@ -212,6 +270,10 @@ def collect_records(
         if shard_complete(out_dir, i, meta):
             budget.spend(WRITE, n_req, float(read_shard_meta(cycles_p).get("seconds", 0.0)))
             continue
+        mode = verify
+        if timing is not None:
+            mode = choose_verify(timing, accepted["tokens"] / accepted["cycles"] if accepted["cycles"] else None)
+        modes[i] = mode
         t_shard = time.perf_counter()
         for v in nodes.values():
             v.clear()
@@ -220,20 +282,23 @@ def collect_records(
         for j in range(i * shard_size, min(len(prompts), (i + 1) * shard_size)):
             current["rid"] = request_ids[j]
             current["rseed"] = request_seed(seed, request_ids[j])
-            engine.generate(prompts[j], max_new_tokens=max_new_tokens, seed=current["rseed"])
+            engines[mode].generate(prompts[j], max_new_tokens=max_new_tokens, seed=current["rseed"])
             if progress is not None:
                 progress(j)
         ndf = pl.DataFrame(nodes, schema=NODE_SCHEMA)
         cdf = pl.DataFrame(cycles, schema=CYCLE_SCHEMA)
         seconds = time.perf_counter() - t_shard
         budget.spend(WRITE, n_req, seconds)
-        full = {**meta, "n_node_rows": ndf.height, "n_cycle_rows": cdf.height, "seconds": round(seconds, 3)}
+        accepted["tokens"] += int(cdf["accepted_length"].sum())
+        accepted["cycles"] += cdf.height
+        full = {**meta, "n_node_rows": ndf.height, "n_cycle_rows": cdf.height, "seconds": round(seconds, 3), "verify": mode}
         write_shard_table(ndf, nodes_p, full)
         write_shard_table(cdf, cycles_p, full)
         computed.append(i)
         n_cycles += cdf.height
     return RecordsResult(out_dir=out_dir, shards=shards, computed=computed, n_cycles=n_cycles,
-                         seconds=time.perf_counter() - t_start, budget=budget.describe())
+                         seconds=time.perf_counter() - t_start, budget=budget.describe(),
+                         verify={"asked": verify, "shards": modes, **(timing or {})})
 
 
 # ---------------------------------------------------------------- summary
