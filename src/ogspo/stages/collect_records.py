@@ -4,9 +4,9 @@ Each cycle drafts the whole superset template T (`StaticTree(T)`), verifies it a
 accepted path as usual. Verification learns the same outcome two ways (`verify`): one target pass
 over all of T (`tree`), or the accepted path one row at a time (`path`: the root, then each node its
 parent accepted; `engine.verify.verify_path`), which costs one one-row step per committed token. On
-a CPU a forward over T's 82 rows costs ~9 steps on the AMD EPYC Zen 3 and the accepted path is ~2,
-so `path` takes several times the requests in the same minutes; on a GPU the tree pass costs about
-one step and wins. `auto` times both forwards on this device at the start and takes, before each
+a CPU past its roofline a forward over T's 82 rows costs several steps while a cycle commits about
+two tokens, so `path` takes several times the requests in the same minutes (docs/BENCHMARKS.md,
+`bench_record_verify.py`); on a GPU the tree pass costs about one step and wins. `auto` times both forwards on this device at the start and takes, before each
 shard, the cheaper at the accepted length the records have shown so far (2 before any).
 Nothing the learning reads differs: the accepted path and every child of a path node are decided
 either way; `path` leaves the target's values of the other nodes undecided (null).

@@ -1,0 +1,133 @@
+"""Benchmark: records verified by one forward over the template or along the accepted path.
+
+    PATH=.venv/bin:$PATH python benchmarks/bench_record_verify.py [--prompts 2] [--write]
+
+Needs a finished default run (results/cpu: its model, kernel table, head and workloads). On the first
+`--prompts` calib prompts of every workload, at T=0 and T=1, `stages.collect_records.collect_records`
+records each request twice with the run's template, once per `records.verify` mode ("tree": one
+target forward over all of T a cycle; "path": the accepted path one row at a time), the two modes in
+alternating order from request to request, same seeds. Per request: the seconds of its shard in each
+mode and whether the two records agree (cycles identical but for the timings; every node's drafts
+identical; the target's values identical wherever the path verification decides them). Per
+temperature: the median seconds, the paired ratio tree / path (geometric mean, 95% bootstrap
+interval over requests), and what `auto` measured and chose on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import REPO, git_commit, load_run, machine, require_run, write_section  # noqa: E402
+
+from ogspo.artifacts.records import load_records, read_shard_meta  # noqa: E402
+from ogspo.stages.config import load_config  # noqa: E402
+from ogspo.engine.tree import Structure  # noqa: E402
+from ogspo.stages.collect_records import choose_verify, collect_records, read_calib_table, time_verification  # noqa: E402
+
+TIMING = ["draft_seconds", "verify_seconds", "cycle_seconds"]
+DRAFTS = ["request_id", "cycle", "node", "tnode", "rank_path", "depth", "parent", "token", "logq", "cum_logq", "entropy"]
+
+
+def agree(tree_dir: Path, path_dir: Path) -> bool:
+    """The two records of one request say the same wherever the path verification decides."""
+    rt, rp = load_records(tree_dir), load_records(path_dir)
+    if not rp.cycles.drop(TIMING).equals(rt.cycles.drop(TIMING)) or not rp.nodes.select(DRAFTS).equals(rt.nodes.select(DRAFTS)):
+        return False
+    decided = rp.nodes["target_logp"].is_not_null().to_numpy()  # [N]
+    same_logp = np.array_equal(rp.nodes["target_logp"].to_numpy()[decided], rt.nodes["target_logp"].to_numpy()[decided])
+    same_match = rp.nodes.filter(pl.col("match").is_not_null())["match"].equals(
+        rt.nodes.filter(rp.nodes["match"].is_not_null())["match"])
+    return bool(same_logp and same_match)
+
+
+def geo_interval(ratios: list[float], seed: int = 0, n_boot: int = 4000) -> tuple[float, float, float]:
+    x = np.log(np.asarray(ratios))
+    boot = np.random.default_rng(seed).choice(x, size=(n_boot, len(x))).mean(1)
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    return float(np.exp(x.mean())), float(np.exp(lo)), float(np.exp(hi))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=REPO / "results" / "cpu")
+    ap.add_argument("--config", type=Path, nargs="+", default=[REPO / "config" / "default.yaml"])
+    ap.add_argument("--prompts", type=int, default=2, help="calib prompts per workload")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--write", action="store_true", help="rewrite this section of docs/BENCHMARKS.md")
+    args = ap.parse_args()
+    res = args.results
+    require_run(res, ap.error)
+    cfg = load_config(args.config, check_paths=False)
+    rc = cfg["records"]
+    template = Structure.full(rc["template"]["widths"])
+    checksum, tok, target, drafter = load_run(res)
+    requests = []
+    for w in cfg["workloads"]:
+        table = read_calib_table(res / "workloads" / f"{w}.parquet", args.prompts)
+        requests += [(f"{w}/{i}", tok(t, add_special_tokens=False).input_ids)
+                     for i, t in zip(table["prompt_id"].to_list(), table["prompt"].to_list())]
+    timing = time_verification(target, template, requests[0][1], reps=5)
+    t_all = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for temperature in args.temperatures:
+            for k, (rid, prompt) in enumerate(requests):
+                order = ("tree", "path") if k % 2 == 0 else ("path", "tree")
+                seconds, dirs, cycles = {}, {}, 0
+                for mode in order:
+                    d = Path(tmp) / f"{temperature:g}-{k}-{mode}"
+                    r = collect_records(target=target, drafter=drafter, template=template, prompts=[prompt], request_ids=[rid],
+                                        temperature=temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"],
+                                        out_dir=d, shard_size=1, model_checksum=checksum, drafter_id=drafter.drafter_id,
+                                        eos_token_id=tok.eos_token_id, verify=mode)
+                    seconds[mode] = float(read_shard_meta(r.shards[0])["seconds"])
+                    dirs[mode] = d
+                    cycles = r.n_cycles
+                accepted = int(load_records(dirs["path"]).cycles["accepted_length"].sum())
+                rows.append({"T": temperature, "request": rid, "tree": seconds["tree"], "path": seconds["path"],
+                             "cycles": cycles, "tokens": accepted, "agree": agree(dirs["tree"], dirs["path"])})
+                print(rows[-1], flush=True)
+    df = pl.DataFrame(rows)
+    lines = ["| T | requests | cycles | tokens / cycle | tree s / request | path s / request | tree / path [95%] | records agree |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for temperature in args.temperatures:
+        s = df.filter(pl.col("T") == temperature)
+        g, lo, hi = geo_interval((s["tree"] / s["path"]).to_list())
+        lines.append(f"| {temperature:g} | {s.height} | {s['cycles'].sum()} | {s['tokens'].sum() / s['cycles'].sum():.2f} | "
+                     f"{s['tree'].median():.1f} | {s['path'].median():.1f} | {g:.2f} [{lo:.2f}, {hi:.2f}] | "
+                     f"{int(s['agree'].sum())}/{s.height} |")
+    a_all = df["tokens"].sum() / df["cycles"].sum()
+    text = f"""## Records: the template verified by one forward or along the accepted path (`benchmarks/bench_record_verify.py`)
+
+{dt.date.today()}, commit {git_commit()}, {machine()}; the default run's target (`dtype: {cfg['dtype']}`, prepared as
+{target.dtype}), head and template ({len(template)} nodes, widths {rc['template']['widths']}); the first {args.prompts} calib
+prompts of each workload x {rc['max_new_tokens']} new tokens, each request recorded once per mode, the modes in alternating
+order, same seeds; seconds of the request's shard (drafting, verification, bookkeeping). "Records agree": the cycles
+identical but for their timings, every node's drafts identical, and the target's log-prob and match identical
+wherever the path verification decides them (the path's children; it leaves the rest null). Total
+{time.perf_counter() - t_all:.0f} s.
+
+{chr(10).join(lines)}
+
+What `records.verify: auto` measured at the start (5 interleaved repetitions after one untimed): a forward over the
+template's {timing['tree_rows']} rows {1e3 * timing['tree_seconds']:.1f} ms, a one-row forward {1e3 * timing['row_seconds']:.1f} ms
+({timing['tree_seconds'] / timing['row_seconds']:.1f} rows' worth of steps); before any record it assumes 2 tokens a cycle and
+picks `{choose_verify(timing, None)}`; at the {a_all:.2f} tokens a cycle measured here it picks `{choose_verify(timing, a_all)}`.
+"""
+    print(text)
+    if args.write:
+        write_section("bench_record_verify", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
