@@ -8,8 +8,10 @@ a CPU past its roofline a forward over T's 82 rows costs several steps while a c
 two tokens, so `path` takes several times the requests in the same minutes (docs/BENCHMARKS.md,
 `bench_record_verify.py`); on a GPU the tree pass costs about one step and wins. `auto` times both forwards on this device at the start and takes, before each
 shard, the cheaper at the accepted length the records have shown so far (2 before any).
-Nothing the learning reads differs: the accepted path and every child of a path node are decided
-either way; `path` leaves the target's values of the other nodes undecided (null).
+Nothing the learning reads differs but in rounding: the accepted path and the match of every child
+of a path node are decided either way, the same (the head's log-probs differ in the last digits: it
+reads the target's features from forwards of another row count); `path` leaves the target's values
+of the other nodes undecided (null).
 
 A *shard* covers `shard_size` consecutive prompts and is two parquet files, each carrying the same
 key-value metadata ``ogspo_records`` (JSON: schema version, model checksum, drafter id, template rank
