@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import REPO, git_commit, load_run, machine, require_run, write_section  # noqa: E402
 
 from ogspo.artifacts.records import load_records, read_shard_meta  # noqa: E402
-from ogspo.stages.config import load_config  # noqa: E402
 from ogspo.engine.tree import Structure  # noqa: E402
 from ogspo.stages.collect_records import choose_verify, collect_records, read_calib_table, time_verification  # noqa: E402
+from ogspo.stages.config import load_config  # noqa: E402
 
 TIMING = ["draft_seconds", "verify_seconds", "cycle_seconds"]
 IDS = ["request_id", "cycle", "node", "tnode", "rank_path", "depth", "parent", "token"]
@@ -40,20 +40,34 @@ VALUES = ["logq", "cum_logq", "entropy", "target_logp"]
 
 
 def compare(tree_dir: Path, path_dir: Path) -> dict:
-    """What the two records of one request share: `same` when every cycle (but its timings), every
-    node's identity and token, and every match the path verification decides are identical; `max_diff`,
-    the largest difference of a node's values (head log-probs and entropy: the head reads the target's
-    features from a forward of another row count; the target's log-prob where both have it)."""
+    """What the two records of one request share. `same` when every cycle (but its timings), every
+    node's identity and token and every match the path verification decides are identical. At T>0 the
+    two can part where a uniform falls within rounding of an acceptance or inverse-CDF boundary (each
+    is an exact sample): `parted` names the first cycle and field that differ. `max_diff`: the largest
+    difference of a node's values (head log-probs and entropy, and the target's log-prob where both
+    have it) over the cycles before any parting: the head reads the target's features, and the
+    log-probs come, from forwards of another row count, which round differently."""
     rt, rp = load_records(tree_dir), load_records(path_dir)
-    decided = rp.nodes["match"].is_not_null()
-    same = (rp.cycles.drop(TIMING).equals(rt.cycles.drop(TIMING)) and rp.nodes.select(IDS).equals(rt.nodes.select(IDS))
-            and rp.nodes.filter(decided)["match"].equals(rt.nodes.filter(decided)["match"]))
+    parted, first = None, None
+    for a, b in zip(rp.cycles.drop(TIMING).iter_rows(named=True), rt.cycles.drop(TIMING).iter_rows(named=True)):
+        field = next((k for k in a if a[k] != b[k]), None)
+        if field is not None:
+            parted, first = f"cycle {a['cycle']} ({field}: {a[field]} / {b[field]})", a["cycle"]
+            break
+    shorter = min(rp.cycles.height, rt.cycles.height)
+    if parted is None and rp.cycles.height != rt.cycles.height:
+        parted, first = f"after cycle {shorter} (one ended)", shorter + 1
+    keep = (lambda df: df) if first is None else (lambda df: df.filter(pl.col("cycle") < first))
+    np_, nt = keep(rp.nodes), keep(rt.nodes)
+    decided = np_["match"].is_not_null()
+    same = (parted is None and np_.select(IDS).equals(nt.select(IDS))
+            and np_.filter(decided)["match"].equals(nt.filter(decided)["match"]))
     diff = 0.0
     for col in VALUES:
-        a, b = rp.nodes[col].to_numpy(), rt.nodes[col].to_numpy()
+        a, b = np_[col].to_numpy(), nt[col].to_numpy()
         ok = ~np.isnan(a)
         diff = max(diff, float(np.abs(a[ok] - b[ok]).max()) if ok.any() else 0.0)
-    return {"same": bool(same), "max_diff": diff}
+    return {"same": bool(same), "max_diff": diff, "parted": parted}
 
 
 def geo_interval(ratios: list[float], seed: int = 0, n_boot: int = 4000) -> tuple[float, float, float]:
@@ -104,14 +118,17 @@ def main() -> int:
                              "cycles": cycles, "tokens": accepted, **compare(dirs["tree"], dirs["path"])})
                 print(rows[-1], flush=True)
     df = pl.DataFrame(rows)
-    lines = ["| T | requests | cycles | tokens / cycle | tree s / request | path s / request | tree / path [95%] | records the same | "
-             "largest value difference |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| T | requests | cycles | tokens / cycle | tree s / request | path s / request | tree / path [95%] | "
+             "records the same | largest value difference |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for temperature in args.temperatures:
         s = df.filter(pl.col("T") == temperature)
         g, lo, hi = geo_interval((s["tree"] / s["path"]).to_list())
         lines.append(f"| {temperature:g} | {s.height} | {s['cycles'].sum()} | {s['tokens'].sum() / s['cycles'].sum():.2f} | "
                      f"{s['tree'].median():.1f} | {s['path'].median():.1f} | {g:.2f} [{lo:.2f}, {hi:.2f}] | "
                      f"{int(s['same'].sum())}/{s.height} | {s['max_diff'].max():.1e} |")
+    parted = [f"{r['request']} at T={r['T']:g}, {r['parted']}" for r in rows if r["parted"]]
+    said = ": " + "; ".join(parted) if parted else ""
+    ms = {k: 1e3 * timing[k] for k in ("tree_seconds", "row_seconds")}
     a_all = df["tokens"].sum() / df["cycles"].sum()
     text = f"""## Records: the template verified by one forward or along the accepted path (`benchmarks/bench_record_verify.py`)
 
@@ -123,12 +140,14 @@ cycle identical but for its timings (accepted paths, committed tokens), every dr
 identical, and every match the path verification decides identical (the path's children; it leaves the rest null).
 "Largest value difference": of the head's log-probs and entropies and the target's log-probs, where both records have
 them (the forwards differ in row count, so their kernels and roundings do; the head reads the target's features
-from them). Total {time.perf_counter() - t_all:.0f} s.
+from them), over the cycles before any parting. At T>0 two exact samplers part where a uniform falls within rounding
+of an acceptance or inverse-CDF boundary; here {len(parted)} of {len(rows)} requests did{said}
+(path / tree). Total {time.perf_counter() - t_all:.0f} s.
 
 {chr(10).join(lines)}
 
 What `records.verify: auto` measured at the start (5 interleaved repetitions after one untimed): a forward over the
-template's {timing['tree_rows']} rows {1e3 * timing['tree_seconds']:.1f} ms, a one-row forward {1e3 * timing['row_seconds']:.1f} ms
+template's {timing['tree_rows']} rows {ms['tree_seconds']:.1f} ms, a one-row forward {ms['row_seconds']:.1f} ms
 ({timing['tree_seconds'] / timing['row_seconds']:.1f} rows' worth of steps); before any record it assumes 2 tokens a cycle and
 picks `{choose_verify(timing, None)}`; at the {a_all:.2f} tokens a cycle measured here it picks `{choose_verify(timing, a_all)}`.
 """

@@ -6,12 +6,13 @@ over all of T (`tree`), or the accepted path one row at a time (`path`: the root
 parent accepted; `engine.verify.verify_path`), which costs one one-row step per committed token. On
 a CPU past its roofline a forward over T's 82 rows costs several steps while a cycle commits about
 two tokens, so `path` takes several times the requests in the same minutes (docs/BENCHMARKS.md,
-`bench_record_verify.py`); on a GPU the tree pass costs about one step and wins. `auto` times both forwards on this device at the start and takes, before each
-shard, the cheaper at the accepted length the records have shown so far (2 before any).
-Nothing the learning reads differs but in rounding: the accepted path and the match of every child
-of a path node are decided either way, the same (the head's log-probs differ in the last digits: it
-reads the target's features from forwards of another row count); `path` leaves the target's values
-of the other nodes undecided (null).
+`bench_record_verify.py`); on a GPU the tree pass costs about one step and wins. `auto` times both
+forwards on this device at the start and takes, before each shard, the cheaper at the accepted length
+the records have shown so far (2 before any). Nothing the learning reads differs but in rounding: the
+accepted path and the match of every child of a path node are decided either way, the same (the
+head's log-probs differ in the last digits: it reads the target's features from forwards of another
+row count; at T>0 that rounding can, rarely, tip a draw at a boundary, and the request goes on as
+another exact sample); `path` leaves the target's values of the other nodes undecided (null).
 
 A *shard* covers `shard_size` consecutive prompts and is two parquet files, each carrying the same
 key-value metadata ``ogspo_records`` (JSON: schema version, model checksum, drafter id, template rank
