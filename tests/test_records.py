@@ -79,6 +79,21 @@ def test_latency_model_interpolates_and_round_trips(tmp_path):
         LatencyModel.from_json(bad)
 
 
+def test_latency_lines_never_go_negative():
+    """A noisy grid (a large tree timed much slower at the long context, a small one faster) gives no
+    negative slope and no time below the smallest calibrated context other than the time there: a
+    short prompt's cycles are never priced below what was measured (once a 64-token forward at 30
+    tokens of context read 0.03 s against 0.13 s measured at 128, and a negative one tipped SCIP)."""
+    from ogspo.artifacts.latency import fit_verify
+
+    table = np.array([[0.020, 0.019], [0.13, 1.50]])  # [sizes 1, 64] x [contexts 128, 768]
+    a, b, _ = fit_verify([1, 64], [128, 768], table)
+    assert min(b) >= 0 and b[0] == 0.0 and a[0] == pytest.approx(0.0195)
+    m = _model(sizes=[1, 64], contexts=[128, 768], verify_table=table.tolist(), verify_intercept=a, verify_slope=b)
+    assert float(m.t_verify(64, 30)) == pytest.approx(float(m.t_verify(64, 128))) == pytest.approx(0.13)
+    assert float(m.t_verify(64, 768)) == pytest.approx(1.50) and float(m.t_verify(1, 5000)) == pytest.approx(0.0195)
+
+
 def test_bushy_tree_is_a_tree():
     pos, attend, depths = bushy_tree(20, 7, torch.device("cpu"))
     assert attend.shape == (20, 20) and bool(attend.diagonal().all()) and int(pos[0]) == 7

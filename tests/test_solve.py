@@ -81,6 +81,10 @@ def test_oracle_milp_objective_equals_replay_at_optimum():
     depths = solve._depths_of(enc, sol.values)[groups.cycle_group]
     a, t = solve.replay_totals(cycles=cyc, structure=S, cycle_depths=depths, latency=lat)
     assert num == pytest.approx(a, rel=1e-6) and den == pytest.approx(t, rel=1e-6)
+    # a subproblem whose ratio or time bound is not finite and positive is one line, not SCIP's parameter error
+    m.den_lower = -1.0
+    with pytest.raises(ValueError, match="the ratio and the cycle times must be finite and positive"):
+        solve_parametric(m, 10.0, time_limit=30, mip_gap=1e-9)
 
 
 @pytest.mark.parametrize("case", range(3))

@@ -75,7 +75,9 @@ class LatencyModel:
         xs = np.asarray(self.sizes, dtype=np.float64)
         a = _interp(n, xs, np.asarray(self.verify_intercept))
         b = _interp(n, xs, np.asarray(self.verify_slope))
-        t = a + b * np.asarray(L, dtype=np.float64)
+        # not extrapolated below the smallest calibrated context: a noisy line's intercept can be far below
+        # anything measured (even negative for large n), a shorter context's forward costs about the same
+        t = a + b * np.maximum(np.asarray(L, dtype=np.float64), float(self.contexts[0]))
         return t if speed == 1.0 else t * (1.0 + self.elasticity(n) * (speed - 1.0))
 
     def elasticity(self, n) -> np.ndarray:
@@ -185,7 +187,7 @@ class LatencyModel:
 
 
 def fit_verify(sizes: list[int], contexts: list[int], table: np.ndarray) -> tuple[list[float], list[float], str]:
-    """Intercepts/slopes in L per size; per-size vs global slope chosen by leave-one-L-out error."""
+    """Intercepts/slopes in L per size (slopes >= 0); per-size vs global slope chosen by leave-one-L-out error."""
     Ls = np.asarray(contexts, dtype=np.float64)
     table = np.asarray(table, dtype=np.float64)  # [S, C]
 
@@ -198,6 +200,7 @@ def fit_verify(sizes: list[int], contexts: list[int], table: np.ndarray) -> tupl
             b = (y - y.mean(1, keepdims=True)) @ xc / (xc @ xc)  # [S]
         else:
             b = np.full(len(sizes), float(((y - y.mean(1, keepdims=True)) @ xc).sum() / (len(sizes) * (xc @ xc))))
+        b = np.maximum(b, 0.0)  # a longer context never makes a forward cheaper: a negative slope is noise (flat then)
         return y.mean(1) - b * x.mean(), b
 
     best = None

@@ -103,7 +103,11 @@ def solve_parametric(
     t0 = time.perf_counter()
     # The subproblem optimum tends to 0 as lambda converges, so a relative gap never closes: stop at an
     # absolute gap worth a relative ratio error of mip_gap (ratio <= lam + gap / den_lower).
-    model = _scip_model(time_limit, mip_gap, abs_gap=mip_gap * max(lam, 1e-12) * milp.den_lower)
+    abs_gap = mip_gap * max(lam, 1e-12) * milp.den_lower
+    if not (np.isfinite(abs_gap) and abs_gap >= 0):
+        raise ValueError(f"Dinkelbach subproblem at lambda {lam} with a denominator bound of {milp.den_lower}: the ratio "
+                         "and the cycle times must be finite and positive (is the latency model's t_verify negative?)")
+    model = _scip_model(time_limit, mip_gap, abs_gap=abs_gap)
     vars_ = [model.addVar(name=n, vtype="B" if b else "C", lb=0.0, ub=u) for n, b, u in zip(milp.names, milp.binary, milp.ub)]
     _add_rows(model, vars_, milp.rows)
     obj = dict(milp.num)
