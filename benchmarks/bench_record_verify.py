@@ -29,6 +29,7 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import REPO, git_commit, load_run, machine, require_run, write_section  # noqa: E402
 
+from ogspo.analysis.compare import bootstrap_interval  # noqa: E402
 from ogspo.artifacts.records import load_records, read_shard_meta  # noqa: E402
 from ogspo.engine.tree import Structure  # noqa: E402
 from ogspo.stages.collect_records import choose_verify, collect_records, read_calib_table, time_verification  # noqa: E402
@@ -77,13 +78,6 @@ def compare(tree_dir: Path, path_dir: Path) -> dict:
     return {"same": bool(same), "max_diff": diff, "parted": parted, "differs": differs}
 
 
-def geo_interval(ratios: list[float], seed: int = 0, n_boot: int = 4000) -> tuple[float, float, float]:
-    x = np.log(np.asarray(ratios))
-    boot = np.random.default_rng(seed).choice(x, size=(n_boot, len(x))).mean(1)
-    lo, hi = np.quantile(boot, [0.025, 0.975])
-    return float(np.exp(x.mean())), float(np.exp(lo)), float(np.exp(hi))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=REPO / "results" / "cpu")
@@ -129,9 +123,9 @@ def main() -> int:
              "records the same | largest value difference |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for temperature in args.temperatures:
         s = df.filter(pl.col("T") == temperature)
-        g, lo, hi = geo_interval((s["tree"] / s["path"]).to_list())
+        r = bootstrap_interval(np.log((s["tree"] / s["path"]).to_numpy()), n_boot=4000)
         lines.append(f"| {temperature:g} | {s.height} | {s['cycles'].sum()} | {s['tokens'].sum() / s['cycles'].sum():.2f} | "
-                     f"{s['tree'].median():.1f} | {s['path'].median():.1f} | {g:.2f} [{lo:.2f}, {hi:.2f}] | "
+                     f"{s['tree'].median():.1f} | {s['path'].median():.1f} | {r.ratio:.2f} [{r.low:.2f}, {r.high:.2f}] | "
                      f"{int(s['same'].sum())}/{s.height} | {s['max_diff'].max():.1e} |")
     parted = [f"{r['request']} at T={r['T']:g}, {r['parted']}" for r in rows if r["parted"]]
     said = ": " + "; ".join(parted) if parted else ""
