@@ -13,6 +13,8 @@ from ogspo.offline.replay import ReplayCycles, _node_depths, replay, replay_dyna
 from ogspo.offline.serving import (
     best_uniform,
     parse_vllm_tree,
+    replay_tps,
+    replayed,
     sglang_nearest,
     sglang_settings,
     uniform_candidates,
@@ -178,3 +180,15 @@ def test_the_best_uniform_tree_is_chosen_on_the_records():
         assert best["replayed_tokens_per_second"] == pytest.approx(max(tps.values()))
     else:
         assert max(tps.values()) <= best["replayed_tokens_per_second"]
+
+
+def test_a_tree_that_leaves_the_records_template_is_named_not_replayed():
+    """Sequoia builds its tree from acceptance by rank and may leave the template (the quick DAG's
+    Sequoia tree held [1, 2, 1] once): the export names the node and keeps AR's figure, never fails."""
+    from solve_helpers import synthetic_cycles, synthetic_latency
+
+    model = synthetic_latency()
+    records = [(synthetic_cycles(WIDE, 100, seed=5), None)]
+    out = replayed(Structure([(0,), (1,), (1, 0), (1, 1), (1, 2)]), records, model)
+    assert out["tokens_per_second"] is None and out["not_replayed"] == "node [1, 2] is not in the records' template"
+    assert out["ar_tokens_per_second"] == replay_tps([Structure([])], records, model)[0] > 0

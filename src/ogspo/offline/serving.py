@@ -11,7 +11,8 @@
   not representable there, and `sglang_nearest` gives the dynamic tree of the same depth, widest level
   and size.
 - `replayed`: tokens/s on the records of a structure, of its nearest SGLang tree (replayed cycle by
-  cycle with its rerank, `replay.replay_dynamic`) and of autoregressive decoding.
+  cycle with its rerank, `replay.replay_dynamic`) and of autoregressive decoding; a structure that
+  leaves the records' template has none (`not_replayed`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,14 @@ def replay_tps(structures: list[Structure], records: list, model: LatencyModel) 
 
 def replayed(structure: Structure, records: list, model: LatencyModel) -> dict:
     """Tokens/s on `records` ((`ReplayCycles`, `template_cum_logq`) per records folder) of `structure`,
-    of its nearest SGLang tree and of AR."""
+    of its nearest SGLang tree and of AR. A structure with a node outside the records' template (Sequoia
+    builds its tree from acceptance by rank and may leave it) has no record figure: `not_replayed` says
+    which node, beside AR's."""
+    outside = next((p for cyc, _ in records for p in structure.paths if p not in cyc.template), None)
+    if outside is not None:
+        (ar,) = replay_tps([Structure([])], records, model)
+        return {"tokens_per_second": None, "ar_tokens_per_second": ar,
+                "not_replayed": f"node {list(outside)} is not in the records' template"}
     own, ar = replay_tps([structure, Structure([])], records, model)
     near = sglang_nearest(structure)
     acc = sec = 0.0
