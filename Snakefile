@@ -39,6 +39,7 @@ rule all:
         f"{RESULTS}/drafter_eval/acceptance.json",
         expand(f"{RESULTS}/solve/oracle_{{tag}}.json", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
+        expand(f"{RESULTS}/ogspo/{{tag}}", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/ablation/policy_only/{{tag}}", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/sequoia/{{tag}}", tag=RECORD_TEMPERATURES),
         expand(f"{RESULTS}/routing/{{tag}}", tag=RECORD_TEMPERATURES),

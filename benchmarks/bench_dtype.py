@@ -74,7 +74,7 @@ def main() -> int:
     targets = {k: make_target(m, max_len=4096, drafter=drafters[k], kernels=tables[k]) for k, m in models.items()}
     artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"),
                  "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
-                 "ogspo": str(res / "policy" / "{T}")}
+                 "ogspo": str(res / "ogspo" / "{T}")}
     best = dag_best(res / "evaluate" / "summary.json", SPEC_METHODS)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="eval", n=args.prompts)
     units = list(models)

@@ -58,7 +58,7 @@ def main() -> int:
     latency = LatencyModel.from_json(res / "latency" / "latency.json", expect_model=e.model_checksum,
                                      expect_drafter=e.drafter_id)
     artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"),
-                 "sequoia": str(res / "sequoia" / "{T}" / "structure.json"), "ogspo": str(res / "policy" / "{T}")}
+                 "sequoia": str(res / "sequoia" / "{T}" / "structure.json"), "ogspo": str(res / "ogspo" / "{T}")}
     specs = method_specs(methods=METHODS, chains=[], eagle_default=[])
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), e.tokenizer, split="eval", n=args.prompts)
     calib = {temperature_tag(t): read_calib_best(Path(artifacts["eagle-tuned"].format(T=temperature_tag(t))))[0]

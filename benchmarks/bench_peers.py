@@ -204,7 +204,7 @@ def main() -> int:
     target = make_target(model, max_len=4096, drafter=drafter, kernels=kernels)
     artifacts = {"eagle-tuned": str(res / "evaluate" / "tune_{T}.json"),
                  "sequoia": str(res / "sequoia" / "{T}" / "structure.json"),
-                 "ogspo": str(res / "policy" / "{T}")}
+                 "ogspo": str(res / "ogspo" / "{T}")}
     specs = method_specs(methods=["ar", *SPEC_METHODS], chains=[], eagle_default=[])
     best = dag_best(res / "evaluate" / "summary.json", SPEC_METHODS)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="eval", n=args.prompts)

@@ -51,7 +51,7 @@ def main() -> None:
     latency = LatencyModel.from_json(res / "latency/latency.json", expect_model=checksum, expect_drafter=drafter.drafter_id)
     prompts = load_prompts(sorted((res / "workloads").glob("*.parquet")), tok, split="calib", n=args.prompts)
     artifacts = {"eagle-tuned": str(res / "evaluate/tune_{T}.json"), "sequoia": str(res / "sequoia/{T}/structure.json"),
-                 "ogspo": str(res / "policy/{T}")}
+                 "ogspo": str(res / "ogspo/{T}")}
     specs = [MethodSpec(name="ar", kind="ar"), MethodSpec(name="chain2", kind="chain", k=2),
              MethodSpec(name="eagle-tuned", kind="eagle-tuned"), MethodSpec(name="sequoia", kind="sequoia"),
              MethodSpec(name="ogspo", kind="ogspo")]

@@ -90,6 +90,7 @@ rule report:
         policy=expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
         rounds=expand(f"{RESULTS}/rounds/{{tag}}", tag=RECORD_TEMPERATURES),
         sequoia=expand(f"{RESULTS}/sequoia/{{tag}}", tag=RECORD_TEMPERATURES),
+        ogspo=expand(f"{RESULTS}/ogspo/{{tag}}", tag=RECORD_TEMPERATURES),
         drafter_eval=f"{RESULTS}/drafter_eval/acceptance.json",
         heads=list(HEADS.values()),
     output:
@@ -103,6 +104,7 @@ rule report:
         structures=lambda wildcards, input: [f"{tag}={d}/structure.json" for tag, d in zip(RECORD_TEMPERATURES, input.policy)],
         rounds=lambda wildcards, input: [f"{tag}={d}/rounds.parquet" for tag, d in zip(RECORD_TEMPERATURES, input.rounds)],
         sequoia=lambda wildcards, input: [f"{tag}={d}/sequoia.json" for tag, d in zip(RECORD_TEMPERATURES, input.sequoia)],
+        on_device=lambda wildcards, input: [f"{tag}={d}/device.json" for tag, d in zip(RECORD_TEMPERATURES, input.ogspo)],
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
         heads=" ".join(f"{label}={path}" for label, path in HEADS.items()),
     log:
@@ -116,4 +118,4 @@ rule report:
     shell:
         "ogspo report --evaluate-summary {input.summary} --requests {input.requests} --latency {input.latency}"
         " --records-summary {input.records} --structure {params.structures} --rounds {params.rounds}"
-        " --sequoia {params.sequoia} --drafter-eval {input.drafter_eval} --head {params.heads} --out {params.out_dir} > {log} 2>&1"
+        " --sequoia {params.sequoia} --on-device {params.on_device} --drafter-eval {input.drafter_eval} --head {params.heads} --out {params.out_dir} > {log} 2>&1"

@@ -7,7 +7,7 @@ rule export_tree:
     input:
         latency=f"{RESULTS}/latency/latency.json",
         records=expand(f"{RESULTS}/records/{{workload}}/{{tag}}/complete.flag", workload=WORKLOADS, tag=RECORD_TEMPERATURES),
-        policy=expand(f"{RESULTS}/policy/{{tag}}", tag=RECORD_TEMPERATURES),
+        policy=expand(f"{RESULTS}/ogspo/{{tag}}", tag=RECORD_TEMPERATURES),
         sequoia=expand(f"{RESULTS}/sequoia/{{tag}}", tag=RECORD_TEMPERATURES),
         tune=expand(f"{RESULTS}/evaluate/tune_{{tag}}.json", tag=RECORD_TEMPERATURES),
     output:

@@ -7,6 +7,10 @@
 #   rounds.parquet/png/json, same_trace.parquet, policy.pt (when the policy ships) and structure.json.
 # - export_policy: that head as the policy folder the `ogspo` method reads (policy.onnx, structure.json,
 #   export.json; an empty structure exports autoregressive decoding).
+# - choose_on_device: what `ogspo` ships per workload, decided by decoding on calib prompts its own choice,
+#   autoregressive decoding and the static trees its records replay fastest, side by side (the latency model
+#   prices a tree to a few percent, the top candidates differ by about that much); the policy folder again,
+#   with the choice per workload in workloads.json and the table in device.json. The `ogspo` method reads it.
 # - train_policy_only: the policy-only ablation, the head trained with the full records template as
 #   structure (no structure optimisation), exported the same way.
 # Records are complete when their folder's complete.flag exists (rules/records.smk).
@@ -67,6 +71,41 @@ rule export_policy:
         "../envs/torch.yaml"
     shell:
         "OMP_NUM_THREADS={threads} ogspo export-policy --rounds {input} --out {output} > {log} 2>&1"
+
+
+rule choose_on_device:
+    input:
+        policy=f"{RESULTS}/policy/T{{temperature}}",
+        records=expand(f"{RESULTS}/records/{{workload}}/T{{{{temperature}}}}/complete.flag", workload=WORKLOADS),
+        latency=f"{RESULTS}/latency/latency.json",
+        sequoia=f"{RESULTS}/sequoia/T{{temperature}}",
+        model=f"{RESULTS}/model",
+        drafter=drafter_input,
+        workloads=expand(f"{RESULTS}/workloads/{{workload}}.parquet", workload=WORKLOADS),
+        kernels=KERNELS,
+    output:
+        directory(f"{RESULTS}/ogspo/T{{temperature}}"),
+    wildcard_constraints:
+        temperature=r"[0-9.]+",
+    params:
+        config=stage_config(config, "choose_on_device"),
+        records=lambda wildcards, input: [os.path.dirname(f) for f in input.records],
+    log:
+        f"{RESULTS}/logs/choose_on_device/T{{temperature}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/choose_on_device_T{{temperature}}.tsv"
+    threads: TIMING_THREADS
+    resources:
+        mem_mb=lambda wildcards, input: model_memory_mb(input.model, 3000),
+        gpu=GPU,
+        runtime=30,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "ogspo choose-on-device --config-json {params.config:q} --model {input.model} --drafter eagle"
+        " --drafter-path {input.drafter} --kernels {input.kernels} --workloads {input.workloads} --records {params.records}"
+        " --latency {input.latency} --policy {input.policy} --sequoia {input.sequoia}/structure.json"
+        " --temperature {wildcards.temperature} --out {output} > {log} 2>&1"
 
 
 rule train_policy_only:

@@ -42,7 +42,7 @@ def test_misspelt_key(base):
     assert msg.startswith("config error at 'modle': unknown key")
     assert "did you mean 'model'" in msg
     assert ("allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, "
-            "model, policy, records, resolve, rounds, seed, solve, torch_device, workloads") in msg
+            "model, on_device, policy, records, resolve, rounds, seed, solve, torch_device, workloads") in msg
 
 
 def test_misspelt_nested_key(base):
@@ -143,7 +143,7 @@ def test_snakemake_cluster_profile_dry_runs():
 # Rules that run the target model: on CUDA each needs the GPU; every other rule runs on CPUs only
 # (data preparation, the SCIP solver, the small policy and router heads, the report).
 MODEL_RULES = {"calibrate_kernels", "train_drafter", "train_gto", "measure_drafter", "calibrate_latency", "collect_records",
-               "ogspo_rounds", "tune_eagle", "evaluate"}
+               "ogspo_rounds", "tune_eagle", "choose_on_device", "evaluate"}
 
 
 def _dry_run_resources(stdout: str) -> dict[str, list[dict[str, str]]]:

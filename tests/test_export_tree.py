@@ -96,11 +96,11 @@ def test_eagle_trees_are_sglangs_three_settings():
 
 def test_export_reads_a_results_folder(tmp_path, capsys):
     res = tmp_path / "results"
-    (res / "policy" / "T0").mkdir(parents=True)
-    (res / "policy" / "T0" / "structure.json").write_text(json.dumps({"structure": [[0], [1], [0, 0]]}))
-    (res / "policy" / "T0" / "workloads.json").write_text(json.dumps({
+    (res / "ogspo" / "T0").mkdir(parents=True)
+    (res / "ogspo" / "T0" / "structure.json").write_text(json.dumps({"structure": [[0], [1], [0, 0]]}))
+    (res / "ogspo" / "T0" / "workloads.json").write_text(json.dumps({
         "code": {"shipped": "policy", "structure": None}, "chat": {"shipped": "static", "structure": [[0], [1]]}}))
-    (res / "policy" / "T0" / "export.json").write_text(json.dumps({"static": True, "autoregressive": False}))
+    (res / "ogspo" / "T0" / "export.json").write_text(json.dumps({"static": True, "autoregressive": False}))
     (res / "evaluate").mkdir()
     (res / "evaluate" / "tune_T0.json").write_text(json.dumps({"winners": {"mtbench": [8, 3, 2], "fortunes": [0, 0, 0]}}))
     doc = export_trees(res, ["T0"])

@@ -64,6 +64,8 @@ def test_quick_workflow_ends_with_a_lossless_report(tmp_path, smollm2_dir):
         md = (out / "report" / "report.md").read_text()
         assert "### A/A check" in md and "against the best baseline" in md and "TTFT p50" in md
         assert "## Draft heads" in md and " | base | " in md and " | gto | " in md and "Draft Tree Reward" in md
+        # what ogspo ships per workload, decided by decoding its candidates on the device (rule choose_on_device)
+        assert "chosen on the device" in md and (out / "ogspo" / "T1" / "device.json").is_file()
         # Snakemake's own HTML report of the run, with the plots the rules mark for it
         html = tmp_path / "report.html"
         rep = subprocess.run(

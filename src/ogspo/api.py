@@ -1,7 +1,7 @@
 """The Python API: load a model with a drafter and a tree policy once, then generate or stream.
 
     import ogspo
-    dec = ogspo.load(model="results/cpu/model", drafter="results/cpu/drafter", policy="results/cpu/policy/T0",
+    dec = ogspo.load(model="results/cpu/model", drafter="results/cpu/drafter", policy="results/cpu/ogspo/T0",
                      kernels="results/cpu/kernels/kernels.json")
     print(dec.generate("The capital of France is", max_new_tokens=32).text)
     for piece in dec.stream("def fib(n):", max_new_tokens=64, temperature=1.0, seed=3):
@@ -129,7 +129,9 @@ def load(model: str | Path, drafter: str | Path | None = None, policy: str | Pat
     """Load `model` with `drafter` and `policy` (see the module docstring) on `device` ("cpu",
     "cuda", "cuda:N"), in `dtype` (default: the dtype it was prepared in). `kernels`: the device's
     kernel table (`ogspo calibrate-kernels`, a path or a table) for the fast path; `policy_args`
-    go to the method (`k` of chain; `total_tokens`, `depth`, `top_k` of eagle; `structure` of static)."""
+    go to the method (`k` of chain; `total_tokens`, `depth`, `top_k` of eagle; `structure` of static;
+    `workload` of an exported policy folder: what it ships for that workload, e.g. ogspo/T0's choice made
+    on the device; without one, the folder's own structure and policy)."""
     table = read_kernel_table(kernels) if isinstance(kernels, (str, Path)) else kernels
     return Decoder(model=model, drafter=drafter, policy=policy, device=device, dtype=dtype, max_len=max_len, kernels=table,
                    early_exit_layers=early_exit_layers, policy_args=policy_args)

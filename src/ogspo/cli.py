@@ -36,6 +36,7 @@ from ogspo.methods.registry import (
 from ogspo.stages.build_sequoia import build_sequoia
 from ogspo.stages.calibrate_kernels import calibrate_device_kernels
 from ogspo.stages.calibrate_latency import CALIBRATION_TEXT, calibrate_latency, write_calibration
+from ogspo.stages.choose_on_device import run_choose_on_device
 from ogspo.stages.collect_records import collect_records, read_calib_table
 from ogspo.stages.config import ConfigError, check_temperature, load_config
 from ogspo.stages.evaluate import evaluate_methods, load_prompts, oracle_throughputs, write_evaluation
@@ -157,16 +158,11 @@ def _run_generate(args: argparse.Namespace) -> int:
                    total_tokens=args.total_tokens, depth=args.depth, top_k=args.top_k, policy_path=args.policy,
                    router_path=args.router)
     result = decoder.generate(args.prompt, args.max_new_tokens, args.temperature, top_p=args.top_p, seed=args.seed,
-                              chat=args.chat,
-                              on_text=lambda text: print(text, end="", flush=True))
-    r = result.generation
-    split = r.time_split()
-    print(
-        f"\n--- {result.method}: {len(r.tokens)} tokens in {r.wall_seconds:.2f} s = {r.throughput:.1f} tok/s, "
-        f"tau {r.tau:.2f}, {len(r.cycles)} cycles; prefill {split['prefill']:.2f} s, draft {split['draft']:.2f} s, "
-        f"verify {split['verify']:.2f} s, other {split['other']:.2f} s",
-        file=sys.stderr,
-    )
+                              chat=args.chat, on_text=lambda text: print(text, end="", flush=True))
+    r, split = result.generation, result.generation.time_split()
+    print(f"\n--- {result.method}: {len(r.tokens)} tokens in {r.wall_seconds:.2f} s = {r.throughput:.1f} tok/s, "
+          f"tau {r.tau:.2f}, {len(r.cycles)} cycles; prefill {split['prefill']:.2f} s, draft {split['draft']:.2f} s, "
+          f"verify {split['verify']:.2f} s, other {split['other']:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -227,21 +223,16 @@ def _run_calibrate_latency(args: argparse.Namespace) -> int:
     lat = cfg["latency"]
     e = _load_engine(args, cfg)
     target, drafter, checksum, drafter_id, tok = e.target, e.drafter, e.model_checksum, e.drafter_id, e.tokenizer
-    cal = calibrate_latency(
-        target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
-        draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
-        meta={"model_checksum": checksum, "drafter": drafter_id},
-        text_prompt=tok(CALIBRATION_TEXT, add_special_tokens=False).input_ids,
-    )
+    cal = calibrate_latency(target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
+                            draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
+                            meta={"model_checksum": checksum, "drafter": drafter_id},
+                            text_prompt=tok(CALIBRATION_TEXT, add_special_tokens=False).input_ids)
     write_calibration(cal, json_path=args.out_json, png_path=args.out_png)
-    m = cal.model
-    print(
-        f"latency model ({m.slope_mode} slope in L): t_verify(1, {m.contexts[0]}) "
-        f"{1e3 * float(m.t_verify(1, m.contexts[0])):.1f} ms, "
-        f"t_verify({m.sizes[-1]}, {m.contexts[-1]}) {1e3 * float(m.t_verify(m.sizes[-1], m.contexts[-1])):.1f} ms, "
-        f"t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_fixed {1e3 * m.fixed:.1f} ms; held-out MdAPE "
-        f"{100 * cal.mdape:.1f}% over {len(cal.validation)} shapes; {cal.seconds:.0f} s -> {args.out_json}"
-    )
+    m, (n, L) = cal.model, (cal.model.sizes[-1], cal.model.contexts[-1])
+    print(f"latency model ({m.slope_mode} slope in L): t_verify(1, {m.contexts[0]}) "
+          f"{1e3 * float(m.t_verify(1, m.contexts[0])):.1f} ms, t_verify({n}, {L}) {1e3 * float(m.t_verify(n, L)):.1f} ms, "
+          f"t_draft(1) {1e3 * float(m.t_draft(1)):.1f} ms, t_fixed {1e3 * m.fixed:.1f} ms; held-out MdAPE "
+          f"{100 * cal.mdape:.1f}% over {len(cal.validation)} shapes; {cal.seconds:.0f} s -> {args.out_json}")
     return 0
 
 
@@ -263,18 +254,13 @@ def _run_collect_records(args: argparse.Namespace) -> int:
     target, drafter, checksum, drafter_id, tok = e.target, e.drafter, e.model_checksum, e.drafter_id, e.tokenizer
     prompts = [tok(t, add_special_tokens=False).input_ids for t in table["prompt"].to_list()]
     ids = [f"{w}/{i}" for w, i in zip(table["workload"].to_list(), table["prompt_id"].to_list())]
-    res = collect_records(
-        target=target, drafter=drafter, template=Structure.full(tpl["widths"]), prompts=prompts, request_ids=ids,
-        temperature=args.temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"], out_dir=args.out,
-        shard_size=rc["shard_size"], model_checksum=checksum, drafter_id=drafter_id, eos_token_id=tok.eos_token_id,
-        minutes=rc["minutes"], verify=rc["verify"],
-    )
-    print(
-        f"verification {res.verify}; "
-        f"{len(prompts)} prompts asked, {len(res.shards)} shards taken ({len(res.computed)} computed, "
-        f"{len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in {res.seconds:.0f} s -> {args.out}; "
-        f"budget {res.budget}"
-    )
+    res = collect_records(target=target, drafter=drafter, template=Structure.full(tpl["widths"]), prompts=prompts,
+                          request_ids=ids, temperature=args.temperature, seed=cfg["seed"], max_new_tokens=rc["max_new_tokens"],
+                          out_dir=args.out, shard_size=rc["shard_size"], model_checksum=checksum, drafter_id=drafter_id,
+                          eos_token_id=tok.eos_token_id, minutes=rc["minutes"], verify=rc["verify"])
+    print(f"verification {res.verify}; {len(prompts)} prompts asked, {len(res.shards)} shards taken "
+          f"({len(res.computed)} computed, {len(res.shards) - len(res.computed)} already complete), {res.n_cycles} cycles in "
+          f"{res.seconds:.0f} s -> {args.out}; budget {res.budget}")
     return 0
 
 
@@ -328,8 +314,7 @@ def _add_train_gto(p: argparse.ArgumentParser) -> None:
 def _run_train_gto(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     r = run_train_gto(model_dir=args.model, drafter_dir=args.drafter, workloads_dir=args.workloads, out_dir=args.out,
-                      fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"],
-                      device=cfg["torch_device"])
+                      fortunes_dir=_fortunes_dir(cfg), config=cfg["drafter"], seed=cfg["seed"], device=cfg["torch_device"])
     print(f"GTO: {r.steps} steps in {r.seconds:.0f} s; held-out Draft Tree Reward {r.reward_before:.3f} -> {r.reward_after:.3f}, "
           f"accepted tokens per tree {r.accepted_before:.3f} -> {r.accepted_after:.3f} -> {args.out}")
     return 0
@@ -349,14 +334,12 @@ def _add_measure_drafter(p: argparse.ArgumentParser) -> None:
 def _run_measure_drafter(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     m = cfg["measure_drafter"]
-    result = measure_drafter(
-        model_dir=args.model, drafter_dirs={"base": args.drafter} | ({"gto": args.gto_drafter} if args.gto_drafter else {}),
-        workloads_dir=args.workloads, prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
-        temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
-        chain_depth=m["chain_depth"], speed_prompts_per_workload=m["speed_prompts_per_workload"], seed=cfg["seed"],
-        minutes=m["minutes"],
-        kernels=_read_kernels(args), device=cfg["torch_device"],
-    )
+    heads = {"base": args.drafter} | ({"gto": args.gto_drafter} if args.gto_drafter else {})
+    result = measure_drafter(model_dir=args.model, drafter_dirs=heads, workloads_dir=args.workloads,
+                             prompts_per_workload=m["prompts_per_workload"], max_new_tokens=m["max_new_tokens"],
+                             temperatures=tuple(m["temperatures"]), trees=tuple(tuple(t) for t in m["trees"]),
+                             chain_depth=m["chain_depth"], speed_prompts_per_workload=m["speed_prompts_per_workload"],
+                             seed=cfg["seed"], minutes=m["minutes"], kernels=_read_kernels(args), device=cfg["torch_device"])
     write_measure(result, args.out_json, args.out_md)
     print(render_markdown(result))
     return 0
@@ -372,11 +355,9 @@ def _add_solve_oracle(p: argparse.ArgumentParser) -> None:
 def _run_solve_oracle(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     result = run_solve_oracle(records_dirs=args.records, latency_path=args.latency, config=cfg, out=args.out)
-    print(
-        f"oracle: {result.throughput:.3f} tokens/s (bound {result.ratio_upper_bound:.3f}), |S| = {len(result.structure)}, "
-        f"{result.iterations} Dinkelbach iterations, {result.solve_seconds:.1f} s, {result.n_cycles} cycles in "
-        f"{result.n_groups} groups -> {args.out}"
-    )
+    print(f"oracle: {result.throughput:.3f} tokens/s (bound {result.ratio_upper_bound:.3f}), |S| = {len(result.structure)}, "
+          f"{result.iterations} Dinkelbach iterations, {result.solve_seconds:.1f} s, {result.n_cycles} cycles in "
+          f"{result.n_groups} groups -> {args.out}")
     return 0
 
 
@@ -402,11 +383,9 @@ def _run_train_policy(args: argparse.Namespace) -> int:
     tr, ho = r.train.train, r.train.holdout
     held = f", held-out {ho.throughput:.3f} vs best fixed {ho.best_fixed_throughput:.3f}" if ho else ""
     oracle = f", oracle {r.oracle_throughput:.3f}" if r.oracle_throughput is not None else ""
-    print(
-        f"policy: J {tr.throughput:.3f} tokens/s on {tr.n_cycles} train cycles (best fixed depth {tr.best_fixed_depth}: "
-        f"{tr.best_fixed_throughput:.3f}, posterior bound {tr.posterior_bound:.3f}{oracle}){held}; "
-        f"features {r.features_seconds:.1f} s, training {r.train.seconds:.1f} s -> {args.out}"
-    )
+    print(f"policy: J {tr.throughput:.3f} tokens/s on {tr.n_cycles} train cycles (best fixed depth {tr.best_fixed_depth}: "
+          f"{tr.best_fixed_throughput:.3f}, posterior bound {tr.posterior_bound:.3f}{oracle}){held}; "
+          f"features {r.features_seconds:.1f} s, training {r.train.seconds:.1f} s -> {args.out}")
     return 0
 
 
@@ -456,11 +435,10 @@ def _run_ogspo_rounds(args: argparse.Namespace) -> int:
         return 0
     for row in r.rows:
         print(f"round {row.round}: |S| {row.structure_size}, surrogate J {row.surrogate_J:.3f}, same-trace "
-              f"{row.same_trace_J:.3f} "
-              f"(predicted {row.predicted_J:.3f}), corrected {row.corrected_J:.3f}, posterior bound {row.posterior_bound:.3f}, "
-              f"{'accepted' if row.accepted else 'rejected'}")
-    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason}; {r.ship.reason} -> "
-          f"{args.out}")
+              f"{row.same_trace_J:.3f} (predicted {row.predicted_J:.3f}), corrected {row.corrected_J:.3f}, posterior bound "
+              f"{row.posterior_bound:.3f}, {'accepted' if row.accepted else 'rejected'}")
+    print(f"ogspo rounds: kept round {r.incumbent_round} (|S| = {len(r.structure)}); {r.stop_reason}; {r.ship.reason} "
+          f"-> {args.out}")
     return 0
 
 
@@ -526,12 +504,17 @@ def _key_paths(pairs: list[str] | None, what: str, allowed: tuple[str, ...] | No
     return out
 
 
-def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
+def _add_calib_decoding(p: argparse.ArgumentParser) -> None:
+    """The arguments of a stage that decodes calib prompts at one temperature."""
     _add_config(p)
     _add_model_drafter(p)
     p.add_argument("--workloads", nargs="+", required=True, type=Path, metavar="PARQUET",
                    help="workload files (calib split is used)")
     p.add_argument("--temperature", required=True, type=float)
+
+
+def _add_tune_eagle(p: argparse.ArgumentParser) -> None:
+    _add_calib_decoding(p)
     p.add_argument("--static", type=Path, help="Sequoia's structure.json at this temperature: run beside the grid, so the "
                    "best baseline (ar, eagle-tuned, sequoia) is picked on calib prompts")
     p.add_argument("--out", required=True, type=Path, help="tuning JSON to write (grid, winners and best baseline per workload)")
@@ -550,6 +533,28 @@ def _run_tune_eagle(args: argparse.Namespace) -> int:
                      progress=lambda line: print(line, flush=True), interleave=ev["interleave"])
     write_tuning(res, args.out)
     print(f"tuned EAGLE-3 at T={args.temperature:g}: {res.winners} in {res.seconds:.0f} s -> {args.out}")
+    return 0
+
+
+def _add_choose_on_device(p: argparse.ArgumentParser) -> None:
+    _add_calib_decoding(p)
+    _add_records(p)
+    p.add_argument("--policy", required=True, type=Path, help="the policy folder (rule export_policy) at this temperature")
+    p.add_argument("--sequoia", type=Path, help="Sequoia's structure.json at this temperature (a static candidate)")
+    p.add_argument("--out", required=True, type=Path, help="policy folder to write (the choice per workload in workloads.json)")
+
+
+def _run_choose_on_device(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    check_temperature(args.temperature, cfg)
+    e = _load_engine(args, cfg)
+    choices = run_choose_on_device(
+        target=e.target, drafter=e.drafter, policy_dir=args.policy, records_dirs={Path(d).parent.name: d for d in args.records},
+        latency_path=args.latency, sequoia_path=args.sequoia, temperature=args.temperature, config=cfg, seed=cfg["seed"],
+        prompts=load_prompts(args.workloads, e.tokenizer, split="calib", n=cfg["on_device"]["prompts_per_workload"]),
+        interleave=cfg["evaluate"]["interleave"], out_dir=args.out, progress=lambda line: print(line, flush=True))
+    print(f"ogspo at T={args.temperature:g} as chosen on the device: "
+          + ", ".join(f"{c.workload} {c.own if c.chosen == 'own' else c.chosen}" for c in choices) + f" -> {args.out}")
     return 0
 
 
@@ -586,13 +591,11 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     latency = None if args.latency is None else LatencyModel.from_json(args.latency, expect_model=checksum,
                                                                        expect_drafter=drafter_id)
     prompts = load_prompts(args.workloads, tok, split="eval", n=ev["prompts_per_workload"])
-    res = evaluate_methods(
-        target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
-        max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
-        latency=latency, oracle=oracle, policy_device=cfg["torch_device"],
-        light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
-        progress=lambda line: print(line, flush=True), minutes=ev["minutes"], interleave=ev["interleave"],
-    )
+    res = evaluate_methods(target=target, drafter=drafter, prompts=prompts, methods=specs, temperatures=temperatures,
+                           max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
+                           latency=latency, oracle=oracle, policy_device=cfg["torch_device"],
+                           light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
+                           progress=lambda line: print(line, flush=True), minutes=ev["minutes"], interleave=ev["interleave"])
     write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)
     print(render_summary(res.summary))
     print(f"{len(res.rows)} requests in {res.seconds:.0f} s; lossless: {res.checked} T=0 requests compared, "
@@ -606,22 +609,20 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", type=Path, help="latency.json (latency model fit plot)")
     p.add_argument("--records-summary", type=Path, help="records/summary.json (acceptance by depth plot)")
     p.add_argument("--structure", nargs="*", metavar="TAG=PATH", help="OGSPO structure.json per temperature tag")
-    p.add_argument("--rounds", nargs="*", metavar="TAG=PATH",
-                   help="rounds.parquet per temperature tag (absent files: plot left out)")
+    p.add_argument("--rounds", nargs="*", metavar="TAG=PATH", help="rounds.parquet per temperature tag (absent: no plot)")
     p.add_argument("--drafter-eval", type=Path, help="drafter_eval/acceptance.json (the draft heads side by side)")
     p.add_argument("--head", nargs="*", metavar="LABEL=PATH", help="drafter folder per head label (base, gto): training figures")
-    p.add_argument("--sequoia", nargs="*", metavar="TAG=PATH",
-                   help="sequoia.json per temperature tag: AR and the static tree replayed on the records")
+    p.add_argument("--sequoia", nargs="*", metavar="TAG=PATH", help="sequoia.json per temperature tag (replayed figures)")
+    p.add_argument("--on-device", nargs="*", metavar="TAG=PATH", help="device.json per temperature tag: what ogspo ships")
     p.add_argument("--out", required=True, type=Path, help="report folder")
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    r = write_report(
-        evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
-        records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
-        rounds=_key_paths(args.rounds, "--rounds"), drafter_eval=args.drafter_eval,
-        heads=_key_paths(args.head, "--head", ("base", "gto")), sequoia=_key_paths(args.sequoia, "--sequoia"),
-    )
+    r = write_report(evaluate_summary=args.evaluate_summary, requests=args.requests, out_dir=args.out, latency=args.latency,
+                     records_summary=args.records_summary, structures=_key_paths(args.structure, "--structure"),
+                     rounds=_key_paths(args.rounds, "--rounds"), drafter_eval=args.drafter_eval,
+                     heads=_key_paths(args.head, "--head", ("base", "gto")), sequoia=_key_paths(args.sequoia, "--sequoia"),
+                     on_device=_key_paths(args.on_device, "--on-device"))
     print(f"report: {len(r.plots)} plots, OGSPO / tuned EAGLE-3 {r.ratios or 'n/a'} -> {r.markdown_path}")
     for m in r.missing:
         print(f"left out: {m}")
@@ -661,6 +662,7 @@ STAGE_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Calla
     "build_sequoia": (_add_build_sequoia, _run_build_sequoia),
     "train_routing": (_add_train_routing, _run_train_routing),
     "tune_eagle": (_add_tune_eagle, _run_tune_eagle),
+    "choose_on_device": (_add_choose_on_device, _run_choose_on_device),
     "evaluate": (_add_evaluate, _run_evaluate),
     "report": (_add_report, _run_report),
     "export_tree": (_add_export_tree, _run_export_tree),

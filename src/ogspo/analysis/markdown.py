@@ -252,6 +252,29 @@ def render_shipping(shipping: Mapping[str, dict]) -> list[str]:
     return lines + [""]
 
 
+def render_on_device(docs: Mapping[str, dict]) -> list[str]:
+    """What `ogspo` ships per temperature and workload after rule choose_on_device (its device.json per
+    tag): each candidate's measured tokens/s on the calib prompts beside what the records replay."""
+    if not docs:
+        return []
+    lines = ["### What `ogspo` ships, chosen on the device (calib prompts, geometric-mean tokens/s; replayed on the "
+             "records in brackets)", ""]
+    for tag, doc in docs.items():
+        s = doc.get("settings") or {}
+        lines.append(f"- {tag} ({s.get('prompts_per_workload')} calib prompts x {s.get('max_new_tokens')} tokens a "
+                     f"workload, margin {s.get('margin')}):")
+        for w in doc["workloads"]:
+            def fig(name: str) -> str:
+                tps = w["tokens_per_second"][name]
+                g = float(np.exp(np.mean(np.log(tps)))) if tps and min(tps) > 0 else 0.0
+                rep = w["replayed"].get(name)
+                label = f"{name} ({w['own']})" if name == "own" else name
+                return f"{label} {g:.1f}" + ("" if rep is None else f" [{rep:.1f}]")
+            chosen = w["own"] if w["chosen"] == "own" else w["chosen"]
+            lines.append(f"  - {w['workload']}: {', '.join(fig(n) for n in w['candidates'])} -> **{chosen}**")
+    return lines + [""]
+
+
 def render_stop_classes(tag: str, figures: Mapping) -> list[str]:
     """The keep/drop rule's held-out test of each stop-policy class (rounds.json "ship"): the
     stop-only bound of S, each class's and the chosen policy's gain over the best fixed depth, its share

@@ -6,9 +6,9 @@ drafted frontier, or the marginal-gain rule; each class holds every S_{<=d}, and
 chosen inside every fold) on K-fold predictions, so every record request is held out once, and the
 rounds' MLP pi on the record requests its head was *not* trained on (the incumbent round's held-out
 split), kept only where it also beats the threshold policy there. Every class is also scored alone on
-the same folds (`figures["threshold"]["classes"]`), for the report. The static trees:
-S cut at each fixed depth d (S_{<=d}, verified whole every cycle) and
-Sequoia's tree (`baselines.sequoia`). All are replayed on the same held-out cycles with the same
+the same folds (`figures["threshold"]["classes"]`), for the report. The static trees: S cut at each
+fixed depth d (S_{<=d}, verified whole every cycle), Sequoia's tree (`baselines.sequoia`) and the
+one- and two-token chains of the top-1 path. All are replayed on the same held-out cycles with the same
 latency model, J = sum A / sum t. The comparison is paired by request: a bootstrap resamples the
 held-out requests, and in every resample the best static tree is picked again (the largest of
 several noisy J's), so the interval carries that winner's curse against the policy.
@@ -53,12 +53,20 @@ class ShipDecision:
     head: PolicyHead | None = None  # the head that ships when it is not the rounds' own (the threshold policy)
 
 
+CHAINS = (1, 2)  # the chains of the top-1 path among the static candidates: chain1 is tuned EAGLE-3's [1, 1, 1]
+
+
 def static_candidates(structure: Structure, sequoia: Structure | None) -> dict[str, Structure]:
-    """The static trees a policy over `structure` must beat: S cut at each depth, Sequoia's tree, and
+    """The static trees a policy over `structure` must beat: S cut at each depth, Sequoia's tree, the
+    one- and two-token chains of the top-1 path (`CHAINS`; where not already an S cut), and
     autoregressive decoding (the empty tree)."""
     out = {f"S<={d}": Structure([p for p in structure.paths if len(p) <= d]) for d in range(1, structure.max_depth + 1)}
     if sequoia is not None:
         out["sequoia"] = sequoia
+    for k in CHAINS:
+        chain = Structure([(0,) * j for j in range(1, k + 1)])
+        if all(s.paths != chain.paths for s in out.values()):
+            out[f"chain{k}"] = chain
     out["ar"] = Structure([])
     return out
 
@@ -137,7 +145,8 @@ def decide_shipping(*, records: list[Records], structure: Structure, head: Polic
     # Sequoia sizes its tree from positional acceptance, so it may hold nodes the records' template never
     # drafted; the records cannot answer such a tree, so it is left out of the candidates (and said so).
     outside = sequoia is not None and not all(p in cycles.template for p in sequoia.paths)
-    cands = static_candidates(structure, None if outside else sequoia)
+    cands = {n: s for n, s in static_candidates(structure, None if outside else sequoia).items()
+             if all(p in cycles.template for p in s.paths)}  # a chain deeper than the template: not a candidate
     names = list(cands)
     # the replay books an empty tree (depth 0) as autoregressive steps
     rep = replay(cycles=cycles, structures=[cands[n] for n in names], depths=np.array([cands[n].max_depth for n in names]),

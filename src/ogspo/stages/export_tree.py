@@ -1,8 +1,8 @@
 """Stage `export_tree`: what a run learned, in the settings vLLM and SGLang take (`ogspo.offline.serving`).
 
-Per temperature tag: the structure `ogspo` ships (per workload where the keep/drop rule chose per
-workload; where it shipped the stop policy, the policy folder's whole structure, which the engines
-verify, with the stop policy named as not exported), Sequoia's tree and tuned EAGLE-3's winners. Each
+Per temperature tag: the structure `ogspo` ships (per workload, as rule choose_on_device chose it;
+where it shipped the stop policy, the policy folder's whole structure, which the engines verify, with
+the stop policy named as not exported), Sequoia's tree and tuned EAGLE-3's winners. Each
 static tree goes out as vLLM's `speculative_token_tree` (exact where vLLM drafts it as written, else
 marked not exact with the best uniform tree for the cell beside it) and as SGLang's nearest dynamic
 tree; tuned EAGLE-3's winners as SGLang's three settings. An empty structure (autoregressive decoding
@@ -55,7 +55,7 @@ def export_trees(results: Path, tags: list[str]) -> dict:
                 entry["replayed"] = replayed(s, recs, model)
             return entry
 
-        policy = results / "policy" / tag
+        policy = results / "ogspo" / tag  # the policy folder with the choice made on the device (rule choose_on_device)
         shipped = _structure_file(policy / "structure.json")
         if shipped is None:
             out["missing"].append(f"{policy}/structure.json")

@@ -49,6 +49,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("train_routing", "pre-drafting routing classifier from records (baseline)", ("baselines", "seed")),
     Stage("tune_eagle", "grid-search EAGLE-3 tree settings (and pick the best baseline) on calib prompts",
           ("evaluate", "records", "seed", "torch_device")),
+    Stage("choose_on_device", "choose what ogspo ships per workload by decoding its best-replayed candidates on the device",
+          ("on_device", "evaluate", "records", "seed", "torch_device")),
     Stage("evaluate", "all methods side by side on eval prompts, with the lossless check",
           ("evaluate", "records", "seed", "torch_device")),
     Stage("report", "tables and plots from the evaluation"),

@@ -28,6 +28,7 @@ from ogspo.analysis.markdown import (
     render_comparison,
     render_heads,
     render_latency_check,
+    render_on_device,
     render_report,
     render_shipping,
 )
@@ -37,6 +38,7 @@ from ogspo.artifacts.io import json_safe, write_text
 from ogspo.artifacts.latency import LatencyCalibration, LatencyModel
 from ogspo.artifacts.structure import load_structure
 from ogspo.methods.registry import REFERENCE, TUNED
+from ogspo.stages.choose_on_device import read_device_choice
 
 REQUEST_COLUMNS = ("workload", "temperature", "method", "prompt_id", "repeat", "throughput", "wall_seconds",
                    "prefill_seconds", "draft_seconds", "policy_seconds", "verify_seconds", "other_seconds", "cycles",
@@ -162,11 +164,13 @@ def write_report(
     drafter_eval: Path | None = None,
     heads: Mapping[str, Path] | None = None,
     sequoia: Mapping[str, Path] | None = None,
+    on_device: Mapping[str, Path] | None = None,
 ) -> ReportResult:
     """report/summary.json, report/report.md and the plots. `structures` and `rounds` map a temperature
     tag (T0, T1) to policy/T*/structure.json and rounds/T*/rounds.parquet; absent rounds files leave
     the rounds plot out (said in report.md). `drafter_eval` (drafter_eval/acceptance.json) and `heads`
-    (label -> drafter folder) add the draft heads side by side."""
+    (label -> drafter folder) add the draft heads side by side; `on_device` (tag -> ogspo/T*/device.json)
+    what `ogspo` ships per workload as rule choose_on_device chose it."""
 
     out_dir = Path(out_dir)
     ev = _read_json(evaluate_summary, "evaluation summary")
@@ -187,6 +191,7 @@ def write_report(
     shipping = {tag: read_shipping(Path(p).with_name("rounds.json")) for tag, p in (rounds or {}).items()}
     shipping = {tag: v for tag, v in shipping.items() if v is not None}
     checked = latency_check(rows)
+    device_docs = {tag: read_device_choice(Path(p)) for tag, p in (on_device or {}).items()}
     sequoia_docs = {tag: _read_json(Path(p), "sequoia summary") for tag, p in (sequoia or {}).items() if Path(p).is_file()}
     rec_figs = records_figures(oracle=oracle, sequoia=sequoia_docs, rounds=rounds_frames)
     statements = gain_statements(rows, rec_figs)
@@ -197,7 +202,7 @@ def write_report(
                                  "mean_by_temperature": {t: float(np.mean(list(v.values()))) for t, v in ratios.items()},
                                  "mean": float(np.mean(allv)) if allv else None},
         "lossless": lossless, "eagle_tuned": tuned, "oracle": oracle, "best_baseline_calib": calib_best,
-        "shipping": shipping, "latency_check": checked,
+        "shipping": shipping, "on_device": device_docs, "latency_check": checked,
         "plots": [p.name for p in plots], "left_out": missing, "limits": limits,
         "reference": REFERENCE, "baseline": TUNED,
     })
@@ -207,7 +212,7 @@ def write_report(
                        stability=(ev.get("settings") or {}).get("tune_winner_stability"),
                        target=(ev.get("settings") or {}).get("target"),
                        comparison=render_comparison(statements, pooled) + render_shipping(shipping)
-                       + render_latency_check(checked))
+                       + render_on_device(device_docs) + render_latency_check(checked))
     if drafter_eval is not None:
         metas = {h: _read_json(Path(d) / "drafter.json", f"drafter {h}") if (Path(d) / "drafter.json").is_file()
                  else {"published": str(d)} for h,
