@@ -71,15 +71,16 @@ def rank_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, St
 
 def candidate_trees(own: TreePolicy, own_name: str, ranked: dict[str, float], all_static: dict[str, Structure],
                     k: int) -> dict[str, list | None]:
-    """The candidates of one workload: its own choice, autoregressive decoding and the `k` best-replayed
-    static trees, each tree once (a static own choice is not repeated under its candidate name)."""
+    """The candidates of one workload: its own choice, the `k` best-replayed static trees other than it
+    and autoregressive decoding, each tree once (a static own choice is not repeated under its name)."""
     out: dict[str, list | None] = {OWN: None if own.hook is not None else _paths(own)}
     seen = [] if out[OWN] is None else [out[OWN]]
-    for name in [*list(ranked)[:k], "ar"]:
+    for name in [n for n in ranked if n != "ar"] + ["ar"]:
         paths = all_static[name].to_list()
-        if name != own_name and paths not in seen:
-            out[name] = paths
-            seen.append(paths)
+        if name == own_name or paths in seen or (name != "ar" and len(out) > k):
+            continue
+        out[name] = paths
+        seen.append(paths)
     return out
 
 
