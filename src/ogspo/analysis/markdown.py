@@ -257,8 +257,10 @@ def render_on_device(docs: Mapping[str, dict]) -> list[str]:
     tag): each candidate's measured tokens/s on the calib prompts beside what the records replay."""
     if not docs:
         return []
-    lines = ["### What `ogspo` ships, chosen on the device (calib prompts, geometric-mean tokens/s; replayed on the "
-             "records in brackets)", ""]
+    lines = ["### What `ogspo` ships, chosen on the device", "",
+             "Per workload, the policy folder's own choice, autoregressive decoding and the static trees the records "
+             "replay fastest, decoded side by side on calib prompts (geometric-mean tokens/s, prefill included; replayed "
+             "on the records in brackets, cycles only); the fastest ships.", ""]
     for tag, doc in docs.items():
         s = doc.get("settings") or {}
         lines.append(f"- {tag} ({s.get('prompts_per_workload')} calib prompts x {s.get('max_new_tokens')} tokens a "
