@@ -55,15 +55,15 @@ def test_the_own_choice_stays_unless_another_is_faster_by_more_than_the_margin()
 def test_the_candidates_are_the_own_choice_ar_and_the_best_replayed_trees_each_once():
     cands = static_candidates(SUB, Structure([(0,), (1,), (2,)]))
     ranked = {"S<=1": 9.0, "sequoia": 8.0, "chain1": 7.0, "S<=2": 6.0, "ar": 5.0}
-    own = StaticTree(cands["S<=1"], name=OWN)  # the folder ships S<=1: not repeated under its own name
-    got = candidate_trees(own, "S<=1", ranked, cands, k=2)
+    own = StaticTree(cands["S<=1"], name=OWN)  # the folder ships S<=1: not repeated under its name
+    got = candidate_trees(own, ranked, cands, k=2)
     assert list(got) == [OWN, "sequoia", "chain1", "ar"] and got[OWN] == cands["S<=1"].to_list()
     # the own choice autoregressive and Sequoia's tree empty: neither counts among the k, nor is AR run twice
     empty = static_candidates(Structure([]), Structure([]))
-    got = candidate_trees(Autoregressive(name=OWN), "ar", {"ar": 9.0, "sequoia": 8.0, "chain1": 7.0, "chain2": 6.0}, empty, k=2)
+    got = candidate_trees(Autoregressive(name=OWN), {"ar": 9.0, "sequoia": 8.0, "chain1": 7.0, "chain2": 6.0}, empty, k=2)
     assert list(got) == [OWN, "chain1", "chain2"] and got[OWN] == []
     policy = SimpleNamespace(hook=object())  # a stop policy: no paths of its own
-    got = candidate_trees(policy, "policy", ranked, cands, k=3)
+    got = candidate_trees(policy, ranked, cands, k=3)
     assert list(got) == [OWN, "S<=1", "sequoia", "chain1", "ar"] and got[OWN] is None and got["ar"] == []
 
 

@@ -69,15 +69,15 @@ def rank_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, St
     return dict(sorted(zip(names, J.tolist()), key=lambda x: -x[1]))
 
 
-def candidate_trees(own: TreePolicy, own_name: str, ranked: dict[str, float], all_static: dict[str, Structure],
+def candidate_trees(own: TreePolicy, ranked: dict[str, float], all_static: dict[str, Structure],
                     k: int) -> dict[str, list | None]:
     """The candidates of one workload: its own choice, the `k` best-replayed static trees other than it
-    and autoregressive decoding, each tree once (a static own choice is not repeated under its name)."""
+    and autoregressive decoding, each tree once (a static own choice is not repeated under another name)."""
     out: dict[str, list | None] = {OWN: None if own.hook is not None else _paths(own)}
     seen = [] if out[OWN] is None else [out[OWN]]
     for name in [n for n in ranked if n != "ar"] + ["ar"]:
         paths = all_static[name].to_list()
-        if name == own_name or paths in seen or (name != "ar" and len(out) > k):
+        if paths in seen or (name != "ar" and len(out) > k):
             continue
         out[name] = paths
         seen.append(paths)
@@ -137,7 +137,7 @@ def choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Mapping
                                                      else "ar" if isinstance(own, Autoregressive) else "static")
         all_static = static_candidates(structure, sequoia)
         ranked = rank_static(records_dirs[workload], latency, all_static)
-        cands = candidate_trees(own, own_name, ranked, all_static, candidates)
+        cands = candidate_trees(own, ranked, all_static, candidates)
         # the own choice replayed too where it is a static tree (the stop policy's J is the keep/drop rule's)
         own_J = {} if cands[OWN] is None else rank_static(records_dirs[workload], latency, {OWN: Structure(cands[OWN])})
         policies = {n: own if n == OWN else _static(p, n) for n, p in cands.items()}
