@@ -37,7 +37,7 @@ def main() -> None:
     checksum, tok, target, drafter = load_run(res)
     cal = calibrate_latency(
         target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
-        draft_widths=lat["draft_widths"], reps=reps, warmup=lat["warmup"], seed=0,
+        draft_widths=lat["draft_widths"], reps=reps, warmup=lat["warmup"], seed=0, fixed_tokens=lat["fixed_tokens"],
         text_prompt=tok(CALIBRATION_TEXT, add_special_tokens=False).input_ids,
         meta={"model_checksum": checksum, "drafter": drafter.drafter_id},
     )

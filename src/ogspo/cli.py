@@ -225,7 +225,7 @@ def _run_calibrate_latency(args: argparse.Namespace) -> int:
     target, drafter, checksum, drafter_id, tok = e.target, e.drafter, e.model_checksum, e.drafter_id, e.tokenizer
     cal = calibrate_latency(target=target, drafter=drafter, tree_sizes=lat["tree_sizes"], context_lengths=lat["context_lengths"],
                             draft_widths=lat["draft_widths"], reps=lat["reps"], warmup=lat["warmup"], seed=cfg["seed"],
-                            meta={"model_checksum": checksum, "drafter": drafter_id},
+                            fixed_tokens=lat["fixed_tokens"], meta={"model_checksum": checksum, "drafter": drafter_id},
                             text_prompt=tok(CALIBRATION_TEXT, add_special_tokens=False).input_ids)
     write_calibration(cal, json_path=args.out_json, png_path=args.out_png)
     m, (n, L) = cal.model, (cal.model.sizes[-1], cal.model.contexts[-1])
