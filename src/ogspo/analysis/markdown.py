@@ -12,6 +12,7 @@ import polars as pl
 
 from ogspo.artifacts.latency import LatencyModel
 from ogspo.artifacts.records import temperature_tag
+from ogspo.methods.harness import gmean
 from ogspo.methods.registry import AA_CHECK, REFERENCE, TUNED, method_label
 
 OGSPO = "ogspo"
@@ -267,8 +268,7 @@ def render_on_device(docs: Mapping[str, dict]) -> list[str]:
                      f"workload, margin {s.get('margin')}):")
         for w in doc["workloads"]:
             def fig(name: str) -> str:
-                tps = w["tokens_per_second"][name]
-                g = float(np.exp(np.mean(np.log(tps)))) if tps and min(tps) > 0 else 0.0
+                g = gmean(w["tokens_per_second"][name])
                 rep = w["replayed"].get(name)
                 label = f"{name} ({w['own']})" if name == "own" else name
                 return f"{label} {g:.1f}" + ("" if rep is None else f" [{rep:.1f}]")

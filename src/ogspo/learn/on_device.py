@@ -31,7 +31,7 @@ from ogspo.artifacts.structure import STRUCTURE_FILE, load_structure
 from ogspo.engine.policies import Autoregressive, StaticTree, TreePolicy
 from ogspo.engine.tree import Structure
 from ogspo.learn.ship import static_candidates
-from ogspo.methods.harness import engine_handles, make_method_engine, pair_seed, run_slot, slot_order, slot_seed
+from ogspo.methods.harness import engine_handles, gmean, make_method_engine, pair_seed, run_slot, slot_order, slot_seed
 from ogspo.methods.ogspo import make_ogspo, workload_choice
 from ogspo.methods.registry import MethodSpec
 from ogspo.offline.replay import replay, replay_cycles
@@ -49,12 +49,7 @@ class WorkloadChoice:
     chosen: str  # OWN or a candidate's name
 
     def gmean(self, name: str) -> float:
-        return _gmean(self.tokens_per_second[name])
-
-
-def _gmean(x) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.exp(np.log(x).mean())) if len(x) and (x > 0).all() else 0.0
+        return gmean(self.tokens_per_second[name])
 
 
 def rank_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, Structure]) -> dict[str, float]:
@@ -95,7 +90,7 @@ def _static(paths: list, name: str) -> TreePolicy:
 def decide(throughput: Mapping[str, list[float]], margin: float) -> str:
     """OWN unless another candidate's geometric-mean tokens/s beats OWN's by more than `margin`
     (then the fastest)."""
-    g = {n: _gmean(v) for n, v in throughput.items()}
+    g = {n: gmean(v) for n, v in throughput.items()}
     best = max(g, key=lambda n: (g[n], n == OWN))
     return best if g[best] > g[OWN] * (1.0 + margin) else OWN
 
@@ -126,7 +121,7 @@ def choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Mapping
     replayed and measured tokens/s, and the choice (see the module docstring). S is the policy folder's
     structure (where the keep/drop rule dropped the policy, the static tree it shipped instead)."""
     policy_dir = Path(policy_dir)
-    structure = load_structure(policy_dir / STRUCTURE_FILE)
+    all_static = static_candidates(load_structure(policy_dir / STRUCTURE_FILE), sequoia)
     out = []
     for workload, plist in prompts.items():
         if workload not in records_dirs:
@@ -135,11 +130,11 @@ def choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Mapping
         entry = workload_choice(policy_dir, workload)
         own_name = (entry or {}).get("shipped") or ("policy" if own.hook is not None
                                                      else "ar" if isinstance(own, Autoregressive) else "static")
-        all_static = static_candidates(structure, sequoia)
-        ranked = rank_static(records_dirs[workload], latency, all_static)
+        # the own choice replayed beside them where it is a static tree (the stop policy's J is the keep/drop rule's)
+        own_tree = {} if own.hook is not None else {OWN: Structure([]) if isinstance(own, Autoregressive) else own.structure}
+        ranked = rank_static(records_dirs[workload], latency, all_static | own_tree)
+        own_J = {OWN: ranked.pop(OWN)} if OWN in ranked else {}
         cands = candidate_trees(own, ranked, all_static, candidates)
-        # the own choice replayed too where it is a static tree (the stop policy's J is the keep/drop rule's)
-        own_J = {} if cands[OWN] is None else rank_static(records_dirs[workload], latency, {OWN: Structure(cands[OWN])})
         policies = {n: own if n == OWN else _static(p, n) for n, p in cands.items()}
         tps = measure_candidates(target=target, drafter=drafter, prompts=plist, policies=policies, temperature=temperature,
                                  workload=workload, max_new_tokens=max_new_tokens, seed=seed, interleave=interleave)

@@ -44,6 +44,13 @@ def probe_seconds(target: TreeLM, reps: int = 3) -> float:
     return float(np.median(times))
 
 
+def gmean(x) -> float:
+    """Geometric mean of request throughputs (how tuning and the on-device choice rank methods); 0 when
+    there are none or one is not positive."""
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.exp(np.log(x).mean())) if len(x) and (x > 0).all() else 0.0
+
+
 def slot_order(n: int, seed: int, index: int) -> list[int]:
     """Method order of the index-th request slot of a cell: slots come in mirrored pairs. Slot 2k runs
     a seeded random permutation (`seed` = the pair's seed), slot 2k+1 the same permutation reversed.

@@ -18,7 +18,7 @@ import numpy as np
 from ogspo.analysis.summary import SEQUOIA, quantile
 from ogspo.artifacts.io import write_json
 from ogspo.engine.policies import Autoregressive, DynamicTree, TreePolicy
-from ogspo.methods.harness import engine_handles, make_method_engine, pair_seed, run_slot, slot_order, slot_seed
+from ogspo.methods.harness import engine_handles, gmean, make_method_engine, pair_seed, run_slot, slot_order, slot_seed
 from ogspo.methods.registry import REFERENCE, TUNED, MethodSpec
 
 
@@ -46,11 +46,6 @@ class TuneResult:
     max_new_tokens: int
     prompts: dict[str, list[str]]
     seconds: float
-
-
-def _gmean(x) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.exp(np.log(x).mean())) if len(x) and (x > 0).all() else 0.0
 
 
 def tune_eagle(
@@ -115,7 +110,7 @@ def tune_eagle(
         logs = np.log(np.maximum(tps[: len(trees)], 1e-12))  # [grid, prompts]
         for (a, b, c), t, tu in zip(trees, tps, taus):
             cyc = sum(n for _, n in tu)
-            points.append(TunePoint(workload=workload, total_tokens=a, depth=b, top_k=c, throughput=_gmean(t),
+            points.append(TunePoint(workload=workload, total_tokens=a, depth=b, top_k=c, throughput=gmean(t),
                                     throughput_q25=quantile(t, 0.25), throughput_q75=quantile(t, 0.75),
                                     tau=float(sum(v * n for v, n in tu) / cyc) if cyc else 1.0, n_requests=len(t)))
         win = int(np.argmax(logs.mean(1)))
@@ -123,11 +118,11 @@ def tune_eagle(
         pick = rng.integers(0, len(plist), size=(n_boot, len(plist)))  # [B, prompts]
         stability[workload] = float((logs[:, pick].mean(2).argmax(0) == win).mean())
         ar = next((i for i, t in enumerate(trees) if t == (0, 0, 0)), None)
-        cands = {TUNED: _gmean(tps[win])}
+        cands = {TUNED: gmean(tps[win])}
         if ar is not None:
-            cands[REFERENCE] = _gmean(tps[ar])  # ties (the tuned tree is AR) go to ar
+            cands[REFERENCE] = gmean(tps[ar])  # ties (the tuned tree is AR) go to ar
         if static is not None:
-            static_tps[workload] = cands[SEQUOIA] = _gmean(tps[-1])
+            static_tps[workload] = cands[SEQUOIA] = gmean(tps[-1])
         best_baseline[workload] = max(cands, key=lambda k: (cands[k], k == REFERENCE))
         if progress:
             progress(f"{workload}: best eagle{'-'.join(map(str, trees[win]))} {cands[TUNED]:.1f} tok/s "
