@@ -373,7 +373,10 @@ def test_records_within_a_budget_take_a_prefix_of_the_shards_and_a_rerun_takes_t
     assert full.computed == [0, 1, 2] and full.budget["seconds"] is None
     seconds = [read_shard_meta(d / f"shard-000{i}.cycles.parquet")["seconds"] for i in range(3)]
     assert all(x > 0 for x in seconds)
-    two = (seconds[0] + seconds[1] + 0.5 * seconds[2]) / 60  # minutes: the first two fit, the third does not
+    # minutes that hold two shards and not a third: a shard is taken while the seconds spent plus the next one's at
+    # the mean rate so far fit (the first shard, warming up, may take longer than the others: 2 x its seconds)
+    two = max(2 * seconds[0], seconds[0] + seconds[1]) * 1.01 / 60
+    assert two * 60 < 1.5 * (seconds[0] + seconds[1])  # (at the mean rate, a third would not fit)
     again = _collect(d, temperature=1.0, shard_size=1, minutes=two)
     assert again.computed == [] and len(again.shards) == 2 and again.budget["taken"] == {"prompts": 2}
     assert not (d / "shard-0002.cycles.parquet").exists() and not (d / "shard-0002.nodes.parquet").exists()
