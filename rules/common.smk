@@ -1,9 +1,11 @@
 # Shared by all stages: config validation and paths. Included by the Snakefile after rules/device.smk.
 # Rules pass their stage exactly the config sections it reads (declared once in ogspo.stages.registry):
 #   params: config=stage_config(config, "<rule name>")
+import os
 import sys
+import time
 
-from ogspo.stages.config import ConfigError, load_config
+from ogspo.stages.config import RUN_STARTED, ConfigError, load_config
 from ogspo.stages.registry import stage_config
 from ogspo.engine.model import model_memory_mb
 
@@ -14,6 +16,9 @@ except ConfigError as _err:
     sys.exit(str(_err))
 config.clear()
 config.update(_validated)
+
+# The run's clock (`run.minutes`): from `make run` when it set one, else from now; the jobs inherit it.
+os.environ.setdefault(RUN_STARTED, f"{time.time():.0f}")
 
 RESULTS = f"results/{config['device']}"
 WORKLOADS = list(config["workloads"])

@@ -42,7 +42,7 @@ def test_misspelt_key(base):
     assert msg.startswith("config error at 'modle': unknown key")
     assert "did you mean 'model'" in msg
     assert ("allowed keys: baselines, device, device_profile, drafter, dtype, evaluate, kernels, latency, measure_drafter, "
-            "model, on_device, policy, records, resolve, rounds, seed, solve, torch_device, workloads") in msg
+            "model, on_device, policy, records, resolve, rounds, run, seed, solve, torch_device, workloads") in msg
 
 
 def test_misspelt_nested_key(base):
@@ -63,6 +63,15 @@ def test_wrong_value(base):
     base["workloads"]["mtbench"]["eval_fraction"] = 0.25
     base["dtype"] = "float8"
     assert error_of(base) == "config error at 'dtype': 'float8' is not allowed; allowed values: auto, float32, bfloat16, float16"
+
+
+def test_evaluate_minutes_is_a_number_null_or_auto(base):
+    base["evaluate"]["minutes"] = "soon"
+    assert error_of(base) == ("config error at 'evaluate.minutes': evaluate.minutes must be a number of minutes > 0, "
+                              "null (every prompt) or auto (what is left of run.minutes)")
+    for ok in (5, None, "auto"):
+        base["evaluate"]["minutes"] = ok
+        assert load_config(base)["evaluate"]["minutes"] == ok
 
 
 def test_missing_key(base):

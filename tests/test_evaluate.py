@@ -23,7 +23,8 @@ from ogspo.engine.verify import Verdict
 from ogspo.learn.export import export_policy
 from ogspo.methods.harness import engine_handles, make_method_engine, run_interleaved, slot_order
 from ogspo.methods.registry import method_specs, structure_policy
-from ogspo.stages.evaluate import LosslessError, evaluate_methods, write_evaluation
+from ogspo.stages.config import RUN_STARTED, run_elapsed_minutes
+from ogspo.stages.evaluate import LosslessError, evaluate_methods, evaluate_minutes, write_evaluation
 from ogspo.stages.tune_eagle import tune_eagle, write_tuning
 
 PROMPTS = {
@@ -273,11 +274,12 @@ def test_bad_method_config_gives_one_clear_line():
         load_config({"evaluate": _evaluate_config(eagle_grid=[[60, 5]])}, sections=("evaluate",))
     # through the CLI: one `ogspo: error:` line, exit status 2
     from ogspo.cli import main
+    from ogspo.stages.registry import STAGES
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         cfg = {**_default_config(), "evaluate": _evaluate_config(repeats=0)}
-        rc = main(["evaluate", "--config-json", json.dumps({k: cfg[k] for k in ("evaluate", "records", "seed", "torch_device")}),
+        rc = main(["evaluate", "--config-json", json.dumps({k: cfg[k] for k in STAGES["evaluate"].sections}),
                    "--model", "nowhere", "--drafter", "lookup", "--workloads", "x.parquet",
                    "--out-requests", "r.parquet", "--out-summary", "s.json"])
     assert rc == 2 and err.getvalue().count("\n") == 1 and "evaluate.repeats" in err.getvalue()
@@ -449,6 +451,22 @@ def test_records_figures_leave_out_a_sequoia_tree_outside_the_template():
     figs = records_figures(oracle={"T0": 25.0, "T1": 24.0}, sequoia={"T0": inside, "T1": outside}, rounds=rounds)
     assert figs["T0"] == {"oracle": 25.0, "ar": 18.0, "static": 20.0, "policy": 21.0}
     assert figs["T1"] == {"oracle": 24.0, "ar": 18.0}
+
+
+def test_auto_budget_fills_what_is_left_of_the_runs_hour():
+    """`evaluate.minutes: auto` takes what the stages before it left of run.minutes (less the tail), never less
+    than min_minutes (also where the run's start is unknown); a number or null is used as given."""
+    run = {"minutes": 60, "tail_minutes": 2}
+    auto = {"minutes": "auto", "min_minutes": 8}
+    assert evaluate_minutes(auto, run, elapsed=30.0) == pytest.approx(28.0)  # a fast machine: the rest of the hour
+    assert evaluate_minutes(auto, run, elapsed=55.0) == 8  # a slow one keeps its floor
+    assert evaluate_minutes(auto, run, elapsed=None) == 8  # a stage run on its own
+    assert evaluate_minutes({"minutes": 5, "min_minutes": 8}, run, elapsed=10.0) == 5
+    assert evaluate_minutes({"minutes": None, "min_minutes": 8}, run, elapsed=10.0) is None
+    assert run_elapsed_minutes({}, now=1000.0) is None
+    assert run_elapsed_minutes({RUN_STARTED: "1000"}, now=1600.0) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match=f"\\${RUN_STARTED} is 'noon': it must be the run's start in Unix seconds"):
+        run_elapsed_minutes({RUN_STARTED: "noon"})
 
 
 def test_evaluate_runs_rounds_of_slot_pairs_within_its_budget(models):

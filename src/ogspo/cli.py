@@ -38,8 +38,8 @@ from ogspo.stages.calibrate_kernels import calibrate_device_kernels
 from ogspo.stages.calibrate_latency import CALIBRATION_TEXT, calibrate_latency, write_calibration
 from ogspo.stages.choose_on_device import run_choose_on_device
 from ogspo.stages.collect_records import collect_records, read_calib_table
-from ogspo.stages.config import ConfigError, check_temperature, load_config
-from ogspo.stages.evaluate import evaluate_methods, load_prompts, oracle_throughputs, write_evaluation
+from ogspo.stages.config import ConfigError, check_temperature, load_config, run_elapsed_minutes
+from ogspo.stages.evaluate import evaluate_methods, evaluate_minutes, load_prompts, oracle_throughputs, write_evaluation
 from ogspo.stages.export_policy import run_export_policy
 from ogspo.stages.export_tree import export_trees, write_export
 from ogspo.stages.measure_drafter import measure_drafter, render_markdown, write_measure
@@ -595,7 +595,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                            max_new_tokens=ev["max_new_tokens"], repeats=ev["repeats"], seed=cfg["seed"], artifacts=artifacts,
                            latency=latency, oracle=oracle, policy_device=cfg["torch_device"],
                            light_methods=tuple(ev["light_methods"]), light_prompts=ev["light_prompts_per_workload"],
-                           progress=lambda line: print(line, flush=True), minutes=ev["minutes"], interleave=ev["interleave"])
+                           progress=lambda line: print(line, flush=True), interleave=ev["interleave"],
+                           minutes=evaluate_minutes(ev, cfg["run"], elapsed=run_elapsed_minutes()))
     write_evaluation(res, requests_path=args.out_requests, summary_path=args.out_summary)
     print(render_summary(res.summary))
     print(f"{len(res.rows)} requests in {res.seconds:.0f} s; lossless: {res.checked} T=0 requests compared, "

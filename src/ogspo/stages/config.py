@@ -10,6 +10,7 @@ import copy
 import difflib
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from ogspo.artifacts.prompts import find_package_dir
 from ogspo.methods.registry import REFERENCE, evaluate_kinds
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")  # package data (workflow/schemas/ links to it)
+RUN_STARTED = "OGSPO_RUN_STARTED"  # the run's start, Unix seconds: set by `make run`, else when Snakemake reads the workflow
 
 
 class ConfigError(ValueError):
@@ -274,3 +276,17 @@ def config_json(config: Mapping, *sections: str, omit: tuple[str, ...] = ()) -> 
             node = node[part]
         node.pop(last, None)
     return json.dumps(out, sort_keys=True)
+
+
+
+def run_elapsed_minutes(environ: Mapping[str, str] = os.environ, now: float | None = None) -> float | None:
+    """Minutes since the run began ($OGSPO_RUN_STARTED, Unix seconds), or None where it is not set (a
+    stage run on its own): the clock `run.minutes` is counted on."""
+    value = environ.get(RUN_STARTED, "").strip()
+    if not value:
+        return None
+    try:
+        started = float(value)
+    except ValueError:
+        raise ValueError(f"${RUN_STARTED} is {value!r}: it must be the run's start in Unix seconds (date +%s)") from None
+    return ((time.time() if now is None else now) - started) / 60

@@ -56,6 +56,22 @@ class LosslessError(ValueError):
     """A method's T=0 output differs from autoregressive decoding (not a float near-tie)."""
 
 
+AUTO = "auto"  # evaluate.minutes: what the stages before it left of the run's hour
+
+
+def evaluate_minutes(evaluate: Mapping, run: Mapping, *, elapsed: float | None) -> float | None:
+    """The evaluation's budget in minutes: `evaluate.minutes` where it is a number or None (every prompt);
+    for `auto`, what is left of `run.minutes` after the `elapsed` minutes of the run so far (None: not
+    known, a stage run on its own) less `run.tail_minutes`, and never less than `evaluate.min_minutes`:
+    the last stage that decodes fills the hour, so a faster machine measures on more requests and a
+    slower one keeps the rounds it had."""
+    if evaluate["minutes"] != AUTO:
+        return evaluate["minutes"]
+    if elapsed is None:
+        return evaluate["min_minutes"]
+    return max(evaluate["min_minutes"], run["minutes"] - elapsed - run["tail_minutes"])
+
+
 # ---------------------------------------------------------------- method artifacts
 
 
@@ -245,6 +261,8 @@ def evaluate_methods(
                                                 skipped=skipped.setdefault(f"{tag}/{workload}", []))
     budget = DataBudget(seconds=None if minutes is None else minutes * 60)
     budget.charge(time.perf_counter() - t_start)
+    if progress:
+        progress("budget: every prompt" if minutes is None else f"budget: {minutes:.1f} minutes")
     n_slots = max(len(v) for v in prompts.values())
     taken = 0  # slots run per cell in the first repeat
     for repeat in range(repeats):

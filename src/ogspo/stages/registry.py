@@ -52,7 +52,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("choose_on_device", "choose what ogspo ships per workload by decoding its best-replayed candidates on the device",
           ("on_device", "evaluate", "records", "seed", "torch_device")),
     Stage("evaluate", "all methods side by side on eval prompts, with the lossless check",
-          ("evaluate", "records", "seed", "torch_device")),
+          ("evaluate", "run", "records", "seed", "torch_device")),
     Stage("report", "tables and plots from the evaluation"),
     Stage("export_tree", "the shipped tree, Sequoia's and tuned EAGLE-3's as vLLM and SGLang settings"),
 )}
