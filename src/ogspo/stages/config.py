@@ -278,7 +278,6 @@ def config_json(config: Mapping, *sections: str, omit: tuple[str, ...] = ()) -> 
     return json.dumps(out, sort_keys=True)
 
 
-
 def run_elapsed_minutes(environ: Mapping[str, str] = os.environ, now: float | None = None) -> float | None:
     """Minutes since the run began ($OGSPO_RUN_STARTED, Unix seconds), or None where it is not set (a
     stage run on its own): the clock `run.minutes` is counted on."""
