@@ -65,8 +65,9 @@ not in the table; slope in L: {m.slope_mode}. Machine states seen by the grid (p
 {1e3 * st['probe_seconds']:.1f} ms): mean {st['mean']:.2f}, 10th-90th percentile {st['p10']:.2f}-{st['p90']:.2f}.
 Decode-loop scale {level['scale']:.3f} over {level['requests']} requests (AR requests alone {level['one_row_ratio']:.3f},
 static trees alone {level['tree_ratio']:.3f}). t_verify(n, 256) / t_verify(1, 256) at the mean state: {ratios}.
-t_fixed {1e3 * m.fixed:.2f} ms + {1e3 * m.fixed_slope:.3f} ms per node (AR step {1e3 * m.fixed_ar:.2f} ms);
-t_draft(1) {1e3 * float(m.t_draft(1)):.2f} ms, t_draft({m.draft_widths[-1]}) {1e3 * m.draft_table[-1]:.2f} ms.
+t_fixed {1e3 * m.fixed:.2f} ms + {1e3 * m.fixed_slope:.3f} ms per node (AR step {1e3 * m.fixed_ar:.2f} ms), a sampled
+cycle (T > 0) {1e3 * m.fixed_sampled:.2f} ms more; t_draft(1) {1e3 * float(m.t_draft(1)):.2f} ms, t_draft({m.draft_widths[-1]})
+{1e3 * m.draft_table[-1]:.2f} ms; the draft levels and overheads follow the state with elasticity {m.draft_elasticity:.2f}.
 
 ![latency](latency.png)
 

@@ -52,6 +52,17 @@ def test_the_own_choice_stays_unless_another_is_faster_by_more_than_the_margin()
     assert decide({OWN: [10.0, 30.0], "ar": [17.0, 17.0]}, margin=0.0) == OWN  # geometric means: 17.3 > 17
 
 
+def test_with_a_confidence_the_lead_must_hold_across_the_prompts():
+    """A paired one-sided t-test over prompts: a lead of +1% on every prompt switches, a larger mean lead
+    that one prompt reverses does not, nor does one prompt alone; the margin still applies."""
+    steady = {OWN: [40.0, 50.0, 60.0], "chain1": [40.4, 50.6, 60.5]}
+    assert decide(steady, margin=0.0, confidence=0.9) == "chain1"
+    assert decide(steady, margin=0.02, confidence=0.9) == OWN
+    mixed = {OWN: [40.0, 50.0, 60.0], "sequoia": [36.0, 54.0, 68.0]}  # gmean +3.5%, one prompt -10%
+    assert decide(mixed, margin=0.0) == "sequoia" and decide(mixed, margin=0.0, confidence=0.9) == OWN
+    assert decide({OWN: [40.0], "ar": [48.0]}, margin=0.0, confidence=0.9) == OWN
+
+
 def test_the_candidates_are_the_own_choice_ar_and_the_best_replayed_trees_each_once():
     cands = static_candidates(SUB, Structure([(0,), (1,), (2,)]))
     ranked = {"S<=1": 9.0, "sequoia": 8.0, "chain1": 7.0, "S<=2": 6.0, "ar": 5.0}

@@ -169,10 +169,26 @@ def test_state_fit_separates_the_machine_state_from_the_shape():
     fits = {s: state_fit(v, x, mean) for s, v in samples.items()}
     e = fit_elasticity({s: f[0] for s, f in fits.items()}, {s: f[1] for s, f in fits.items()}, [1, 8], [100, 300])
     assert e[0] == 1.0 and 0.0 <= e[1] < 0.15
-    # noisy per-size values become non-increasing in n within [0, 1]
-    from ogspo.offline.latency_fit import _non_increasing
 
-    assert _non_increasing([1.22, 0.7, 0.41, 0.78, 0.19]) == pytest.approx([1.22, 0.7, 0.595, 0.595, 0.19])
+
+def test_elasticity_is_one_curve_through_every_shape():
+    """Relative slopes scattered around n ** -0.2 (one shape far off, one one-row slope at 0 for another L):
+    the fitted curve is n ** -c with c near 0.2, 1 at n = 1 and non-increasing; a steady one-row forward
+    gives all 1. A draft level's elasticity is its relative slope over the one-row forward's, in [0, 1]."""
+    from ogspo.offline.latency_fit import fit_draft_elasticity, fit_elasticity
+
+    sizes, contexts = [1, 2, 4, 8, 16], [100, 300]
+    rng = np.random.default_rng(0)
+    levels = {(n, L): 0.01 * n ** 0.5 for n in sizes for L in contexts}
+    slopes = {(n, L): levels[(n, L)] * n ** -0.2 * (1 + 0.2 * rng.standard_normal()) for n in sizes for L in contexts}
+    slopes[(1, 100)], slopes[(1, 300)] = levels[(1, 100)], levels[(1, 300)]
+    slopes[(4, 300)] = -5 * levels[(4, 300)]  # a preempted shape: clipped, it moves the curve little
+    e = fit_elasticity(levels, slopes, sizes, contexts)
+    assert e[0] == 1.0 and all(a >= b for a, b in zip(e, e[1:]))
+    assert e[-1] == pytest.approx(16 ** -0.2, abs=0.12)
+    assert fit_elasticity(levels, {s: 0.0 for s in slopes}, sizes, contexts) == [1.0] * len(sizes)
+    assert fit_draft_elasticity({1: 0.002, 4: 0.003}, {1: 0.0016, 4: 0.0024}, 1.0) == pytest.approx(0.8)
+    assert fit_draft_elasticity({1: 0.002}, {1: 0.004}, 1.0) == 1.0 and fit_draft_elasticity({1: 0.002}, {1: 0.001}, 0.0) == 0.0
 
 
 def test_latency_model_follows_the_machine_state():
@@ -183,9 +199,24 @@ def test_latency_model_follows_the_machine_state():
     assert float(m.t_verify(16, 100, 1.4)) == pytest.approx(4.0)
     assert float(m.t_verify(4, 100, 1.4)) == pytest.approx(2.0 * 1.2)
     assert m.speed_ratio(1.25 * 1.4, 100) == pytest.approx(1.4)
-    assert m.t_cycle([1, 4], 16, 100, speed=2.0) == pytest.approx(0.5 + 1.0 + 0.1 + 4.0)  # the state moves the target only
+    assert m.t_cycle([1, 4], 16, 100, speed=2.0) == pytest.approx(0.5 + 1.0 + 0.1 + 4.0)  # draft_elasticity 0: the target only
+    half = _model(drift_elasticity=[1.0, 0.5, 0.0], draft_elasticity=0.5)
+    assert half.t_cycle([1, 4], 16, 100, speed=2.0) == pytest.approx((0.5 + 1.0 + 0.1) * 1.5 + 4.0)
+    with pytest.raises(ValueError, match="draft_elasticity must be in"):
+        LatencyModel.from_json({**half.to_json(), "draft_elasticity": 1.5})
     with pytest.raises(ValueError, match="drift_elasticity has 2 values for 3"):
         LatencyModel.from_json({**m.to_json(), "drift_elasticity": [1.0, 0.5]})
+
+
+def test_a_sampled_cycle_books_what_sampling_adds():
+    """at_temperature(T > 0) adds fixed_sampled to both cycle kinds' overhead, once; T = 0 is the model."""
+    m = _model(fixed_sampled=0.02)
+    hot = m.at_temperature(1.0)
+    assert m.at_temperature(0.0) is m and hot.at_temperature(1.0) == hot
+    assert float(hot.t_fixed(1)) == pytest.approx(0.12) and float(hot.t_fixed(4)) == pytest.approx(0.12)
+    assert hot.t_cycle([1], 4, 100) == pytest.approx(m.t_cycle([1], 4, 100) + 0.02)
+    with pytest.raises(ValueError, match="fixed_sampled must be >= 0"):
+        LatencyModel.from_json({**m.to_json(), "fixed_sampled": -1.0})
 
 
 def test_latency_model_predicts_real_autoregressive_steps(tmp_path):

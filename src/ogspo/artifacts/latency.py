@@ -18,20 +18,28 @@ across shapes: on the 2-core AMD EPYC a one-row forward flips between ~7.5 and ~
 forward stays near 12 ms (memory bandwidth taken by a neighbour slows the bandwidth-bound one-row
 forward most). `drift_elasticity[i]` is how t_verify(sizes[i]) moves with t_verify(1): relative change
 over the one-row forward's relative change (1 at n = 1, ~0.2 at n = 8 there). `t_cycle(..., speed=f)`
-predicts a cycle when a one-row forward runs f times its table value (`speed_ratio` of a probe).
+predicts a cycle when a one-row forward runs f times its table value (`speed_ratio` of a probe). The
+drafter's levels and the per-cycle overheads move with the state too (on the 2-core AMD EPYC Zen 3 a state
+that slowed the one-row forward by 11% slowed them by 5-10%): by `draft_elasticity`, measured on the draft
+table's timings like the verify table's.
+
+A sampled cycle (T > 0) costs more than a greedy one outside the forward (the rows' softmax and draws:
++0.5 ms a cycle on the Zen 3, 2% of a cycle): `fixed_sampled`, booked by the model of that temperature
+(`at_temperature`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ogspo.artifacts.io import write_json
 
-SCHEMA_VERSION = 3  # 2: fixed_ar, the overhead of an autoregressive step; 3: drift_elasticity, probe_level
+SCHEMA_VERSION = 4  # 2: fixed_ar, the overhead of an autoregressive step; 3: drift_elasticity, probe_level;
+# 4: draft_elasticity, fixed_sampled
 
 
 def _interp(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -67,6 +75,8 @@ class LatencyModel:
     catchup: list[float]  # seconds the j-th accepted token (j = 1..) adds to the next cycle's first draft level
     drift_elasticity: list[float] = field(default_factory=list)  # per table size; empty: 1 for every size
     probe_level: float = 1.0  # what a speed probe reads over t_verify(1, L) in the tables' mean state
+    draft_elasticity: float = 0.0  # how the draft levels and per-cycle overheads move with the state (0: they do not)
+    fixed_sampled: float = 0.0  # seconds a sampled cycle (T > 0) adds to t_fixed, both cycle kinds (`at_temperature`)
     meta: dict = field(default_factory=dict)  # model checksum, drafter id, device, torch version, ...
 
     def t_verify(self, n, L, speed: float = 1.0):
@@ -92,6 +102,15 @@ class LatencyModel:
         """The machine state from a probe (`methods.harness.probe_speed`: a one-row forward on L committed
         tokens): its time over what it reads in the tables' mean state."""
         return float(probe_seconds) / (self.probe_level * float(self.t_verify(1, L)))
+
+    def at_temperature(self, temperature: float) -> "LatencyModel":
+        """The model of decoding at `temperature`: at T > 0 every cycle, autoregressive step or drafted,
+        books `fixed_sampled` more in t_fixed (and the returned model's `fixed_sampled` is 0, so a second
+        call adds nothing); at T = 0 the model itself."""
+        if float(temperature) <= 0 or self.fixed_sampled == 0:
+            return self
+        return replace(self, fixed=self.fixed + self.fixed_sampled, fixed_ar=self.fixed_ar + self.fixed_sampled,
+                       fixed_sampled=0.0, meta={**self.meta, "temperature": float(temperature)})
 
     def t_draft(self, w):
         w = np.asarray(w, dtype=np.float64)
@@ -128,14 +147,14 @@ class LatencyModel:
         """docs/DESIGN.md §4: sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n) + t_catchup(A) (level_widths:
         frontier widths; A: tokens the cycle commits). A cycle that drafted nothing and verifies the root
         alone is an autoregressive step (no drafter, so no catch-up either). `speed`: the machine state
-        (see `t_verify`); it moves the target's forward only: the head's levels and the per-cycle overheads
-        (Python, small matmuls) kept their times in both states on the AMD EPYC."""
+        (see `t_verify`); the target's forward moves by its size's `drift_elasticity`, the head's levels and
+        the per-cycle overheads by `draft_elasticity`."""
         widths = np.asarray(list(level_widths), dtype=np.float64)
         draft = float(np.sum(self.t_draft(widths))) if len(widths) else 0.0
         n = np.asarray(n_verify)
         drafted = (n > 1) | bool((widths > 0).any())
         rest = draft + self.t_fixed(n, drafted) + np.where(drafted, self.t_catchup(accepted), 0.0)
-        return self.t_verify(n, L, speed) + rest
+        return self.t_verify(n, L, speed) + rest * (1.0 + self.draft_elasticity * (speed - 1.0))
 
     # ---- JSON
     def to_json(self) -> dict:
@@ -174,6 +193,10 @@ class LatencyModel:
         if model.drift_elasticity and len(model.drift_elasticity) != len(model.sizes):
             raise ValueError(f"{src}: drift_elasticity has {len(model.drift_elasticity)} values for {len(model.sizes)} table "
                              "sizes")
+        if not 0.0 <= model.draft_elasticity <= 1.0:
+            raise ValueError(f"{src}: draft_elasticity must be in [0, 1], got {model.draft_elasticity}")
+        if not model.fixed_sampled >= 0.0:
+            raise ValueError(f"{src}: fixed_sampled must be >= 0 seconds, got {model.fixed_sampled}")
         if not model.probe_level > 0:
             raise ValueError(f"{src}: probe_level must be > 0, got {model.probe_level}")
         got_model, got_drafter = model.meta.get("model_checksum"), model.meta.get("drafter")

@@ -187,7 +187,8 @@ def _figures(me: MethodEngine, res: GenerationResult, *, latency, factor: float)
     and the measured prefill plus the latency model's cycles in machine state `factor`."""
     split = res.time_split()
     policy_s = me.hook.seconds if me.hook is not None else 0.0
-    pred = split["prefill"] + predicted_seconds(me.log.cycles, latency, factor) if latency is not None else float("nan")
+    pred = (split["prefill"] + predicted_seconds(me.log.cycles, latency.at_temperature(me.engine.temperature), factor)
+            if latency is not None else float("nan"))
     return {
         "prefill_seconds": split["prefill"], "draft_seconds": split["draft"], "policy_seconds": policy_s,
         "verify_seconds": split["verify"], "other_seconds": max(split["other"] - policy_s, 0.0),

@@ -1,8 +1,8 @@
 """The latency model's fits from its timings (docs/DESIGN.md §4): numpy only, so they are tested on
 made-up timings. The timings themselves are taken by stage `calibrate_latency`.
 
-- `state_fit`, `fit_elasticity`: one shape's time at the grid's mean machine state and how it moves
-  with the state (a shared CPU changes speed for tens of seconds).
+- `state_fit`, `fit_elasticity`, `fit_draft_elasticity`: one shape's time at the grid's mean machine
+  state and how it moves with the state (a shared CPU changes speed for tens of seconds).
 - `decode_loop_level`, `decode_loop_draft_scale`: the tables' level set where decoding runs them.
 - `fit_fixed`, `fit_catchup`: the per-cycle overhead and the EAGLE head's catch-up.
 """
@@ -31,28 +31,38 @@ def state_fit(times, state, mean_state: float) -> tuple[float, float]:
     return float(moved[cut: len(moved) - cut].mean()), slope
 
 
-def _non_increasing(y: list[float]) -> list[float]:
-    """The least-squares non-increasing fit of y (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in y:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
-            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    return [m for m, c in blocks for _ in range(int(c))]
+def relative_slopes(levels: dict[tuple, float], slopes: dict[tuple, float], contexts: list[int]) -> dict[tuple, float]:
+    """Per shape (n, L), its relative change per relative change of the one-row forward at the same L:
+    (slope / level) / (slope(1, L) / level(1, L)); empty when the one-row forwards did not move."""
+    one = {L: slopes[(1, L)] / levels[(1, L)] for L in contexts if (1, L) in levels and slopes[(1, L)] > 0}
+    return {s: (slopes[s] / levels[s]) / one[s[1]] for s in levels if s[1] in one}
 
 
 def fit_elasticity(levels: dict[tuple, float], slopes: dict[tuple, float], sizes: list[int], contexts: list[int]) -> list[float]:
-    """Per table size, the relative change of t_verify(n, L) per relative change of t_verify(1, L), median
-    over L; then non-increasing in n within [0, 1] (a forward over more rows is less bound by the memory
-    bandwidth a neighbour takes), 1 at n = 1; all 1 when the one-row forwards did not move."""
-    raw = []
-    for n in sizes:
-        e = [(slopes[(n, L)] / levels[(n, L)]) / (slopes[(1, L)] / levels[(1, L)]) for L in contexts if slopes[(1, L)] > 0]
-        raw.append(float(np.median(e)) if e else 1.0)
-    if sizes[0] != 1 or not any(slopes[(1, L)] > 0 for L in contexts):
+    """Per table size, how t_verify(n, L) moves with t_verify(1, L): one curve n ** -c through the
+    relative slopes of every shape (each clipped to [0, 1.5], least absolute deviations over c in [0, 4],
+    so a preempted shape moves it little), so 1 at
+    n = 1, non-increasing (a forward over more rows is less bound by the memory bandwidth a neighbour
+    takes) and as steady as the grid is large: one slope per shape from ten timings scatters by +-0.3,
+    and a per-size value made non-increasing followed its first low one. All 1 when the one-row forwards
+    did not move."""
+    rel = relative_slopes(levels, slopes, contexts)
+    pts = [(n, min(max(v, 0.0), 1.5)) for (n, _), v in rel.items() if n > 1]
+    if not pts or sizes[0] != 1:
         return [1.0] * len(sizes)
-    return [1.0] + [float(np.clip(v, 0.0, 1.0)) for v in _non_increasing([min(v, 1.0) for v in raw[1:]])]
+    n, v = np.array(pts, dtype=np.float64).T
+    cs = np.linspace(0.0, 4.0, 401)
+    c = float(cs[np.argmin([np.sum(np.abs(v - n ** -c)) for c in cs])])
+    return [float(k ** -c) for k in sizes]
+
+
+def fit_draft_elasticity(levels: dict[int, float], slopes: dict[int, float], one_row: float) -> float:
+    """How a draft level moves with the machine state, relative to a one-row forward (`one_row`: the
+    median over L of its slope / level): the median over frontier widths of (slope / level) / one_row,
+    within [0, 1]; 0 when the one-row forwards did not move."""
+    if not one_row > 0 or not levels:
+        return 0.0
+    return float(np.clip(np.median([(slopes[w] / levels[w]) / one_row for w in levels]), 0.0, 1.0))
 
 
 def decode_loop_level(sizes: list[int], a: list[float], b: list[float], table: np.ndarray, elasticity: list[float],

@@ -18,8 +18,9 @@ def build_sequoia(*, records_dirs: list[Path], latency_path: Path, config: dict 
     """Stage `build_sequoia`: writes `out_dir`/structure.json (empty list = autoregressive) and sequoia.json."""
     if not records_dirs:
         raise ValueError("build-sequoia needs at least one records folder")
-    cycles = combine_cycles([replay_cycles(load_records(Path(d))) for d in records_dirs])
-    latency = LatencyModel.from_json(latency_path)
+    records = [load_records(Path(d)) for d in records_dirs]
+    cycles = combine_cycles([replay_cycles(r) for r in records])
+    latency = LatencyModel.from_json(latency_path).at_temperature(records[0].meta["temperature"])
     result = sequoia_tree(cycles=cycles, latency=latency, config=config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,9 @@ The fits from the timings are `ogspo.offline.latency_fit`'s.
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0. Then scaled to
   the levels past the first of the static-tree requests below (`decode_loop_draft_scale`): in
-  decoding a level follows a target pass.
+  decoding a level follows a target pass. Each timing follows a probe like the verify grid's, so how
+  a level moves with the state is fitted the same way (`draft_elasticity`, relative to the one-row
+  forward; the model applies it to the per-cycle overheads too).
 - t_catchup: a drafted cycle that commits A tokens leaves A - 1 of them for the EAGLE head to re-encode
   at the next cycle's first level. From the same static-tree requests as t_fixed: the first level's
   time of each cycle against the tokens the previous cycle committed b: the increments of its median
@@ -29,8 +31,9 @@ The fits from the timings are `ogspo.offline.latency_fit`'s.
   the decode loop between cycles), per cycle. One value per cycle kind, because they differ by an order
   of magnitude: `fixed_ar` from autoregressive requests (no drafter, median over steps), and for tree
   cycles a line in the verified nodes n, `fixed + fixed_slope * (n - 1)`, through the median overhead of
-  static trees of three sizes (the 2-token chain, 10 and 28 nodes: `fit_fixed`). The autoregressive and
-  tree requests run in shuffled rounds, so both kinds see the same mix of machine states.
+  static trees of three sizes (the 2-token chain, 10 and 28 nodes: `fit_fixed`). Autoregressive requests
+  at T = 1 give what sampling adds per cycle (`fixed_sampled`, the model's `at_temperature`). The
+  autoregressive and tree requests run in shuffled rounds, so all kinds see the same mix of machine states.
 
     t_cycle(level_widths, n, L, A) = sum_l t_draft(w_l) + t_verify(n, L) + t_fixed(n) + t_catchup(A)
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +65,7 @@ from ogspo.offline.latency_fit import (
     decode_loop_draft_scale,
     decode_loop_level,
     fit_catchup,
+    fit_draft_elasticity,
     fit_elasticity,
     fit_fixed,
     state_fit,
@@ -191,53 +196,72 @@ def _first_levels(res) -> list[tuple[int, float]]:
     return [(prev.accepted, c.draft_seconds[0]) for prev, c in zip(res.cycles, res.cycles[1:]) if c.draft_seconds]
 
 
+@dataclass
+class DecodeLoopTimings:
+    """What `measure_fixed` read off real requests, in seconds."""
+
+    tree_overheads: list[tuple[int, float]] = field(default_factory=list)  # (verified nodes, overhead) of drafted cycles
+    ar_overheads: list[float] = field(default_factory=list)  # overhead of greedy autoregressive steps
+    sampled_overheads: list[float] = field(default_factory=list)  # overhead of autoregressive steps at T = 1
+    first_levels: list[tuple[int, float]] = field(default_factory=list)  # (previous cycle's committed tokens, first level)
+    forwards: list[tuple[int, int, int, float, float]] = field(default_factory=list)  # (request, n, L, state, forward)
+    levels: list[tuple[int, int, float]] = field(default_factory=list)  # (request, frontier width, level) past the first
+
+    @property
+    def fixed_sampled(self) -> float:
+        """What sampling adds to an autoregressive step's overhead (median at T = 1 less median at T = 0,
+        >= 0): the rows' softmax and draws, the same per cycle for drafted cycles (0.4-0.6 ms for 1-4 rows
+        on the AMD EPYC Zen 3)."""
+        if not self.sampled_overheads or not self.ar_overheads:
+            return 0.0
+        return max(float(np.median(self.sampled_overheads) - np.median(self.ar_overheads)), 0.0)
+
+
 def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, tokens: int, seed: int,
-                  speed: Callable[[TreeLM], float], rounds: int = 4):
-    """([(verified nodes, overhead)] of speculative cycles, [overhead] of autoregressive steps, [(previous
-    cycle's committed tokens, first draft level seconds)], [(request, verified nodes, context length,
-    speed, target forward seconds)] of every cycle), in seconds, from real requests of `tokens` new
-    tokens: `rounds` rounds of autoregressive decoding without a drafter and each of `FIXED_TREES`, in a
-    shuffled order per round; a request's state is the mean of the probes before and after it
-    (`speed(target)`), so the kinds are compared in the states they met."""
+                  speed: Callable[[TreeLM], float], rounds: int = 4) -> DecodeLoopTimings:
+    """Timings of real requests of `tokens` new tokens: `rounds` rounds of greedy and sampled (T = 1)
+    autoregressive decoding without a drafter and each of `FIXED_TREES`, in a shuffled order per round; a
+    request's state is the mean of the probes before and after it (`speed(target)`), so the kinds are
+    compared in the states they met."""
     rng = np.random.default_rng(seed)
-    ar = SpeculativeEngine(target=target, policy=Autoregressive())
+    ars = [SpeculativeEngine(target=target, policy=Autoregressive()),
+           SpeculativeEngine(target=target, policy=Autoregressive(), temperature=1.0)]
     trees = [SpeculativeEngine(target=target, policy=StaticTree(S), drafter=drafter) for S in FIXED_TREES]
-    ar_samples: list[float] = []
-    tree_samples: list[tuple[int, float]] = []
-    first: list[tuple[int, float]] = []
-    forwards: list[tuple[int, int, int, float, float]] = []
-    levels: list[tuple[int, int, float]] = []
-    ar.generate(prompt, max_new_tokens=4, seed=seed)  # warm-up of the one-row shapes
-    own = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
+    out = DecodeLoopTimings()
+    ars[0].generate(prompt, max_new_tokens=4, seed=seed)  # warm-up of the one-row shapes
+    ars[1].generate(prompt, max_new_tokens=4, seed=seed)
+    own = ars[0].generate(prompt, max_new_tokens=tokens, seed=seed)
     # the trees continue the target's own text, where the drafter guesses as it does on real text (given a
     # text prompt, `CALIBRATION_TEXT`): cycles commit 1..4 tokens, so the catch-up is seen at several sizes
     text = list(prompt) + own.tokens
     for eng in trees:
         eng.generate(text, max_new_tokens=4, seed=seed)
     before = speed(target)
-    order = [int(j) for _ in range(rounds) for j in rng.permutation(len(trees) + 1)]
+    order = [int(j) for _ in range(rounds) for j in rng.permutation(len(trees) + len(ars))]
     for request, j in enumerate(order):
-        if j == 0:
-            res = ar.generate(prompt, max_new_tokens=tokens, seed=seed)
-            ar_samples += [s for _, s in _overhead_per_cycle(res)]
+        if j < len(ars):
+            res = ars[j].generate(prompt, max_new_tokens=tokens, seed=seed)
+            (out.ar_overheads if j == 0 else out.sampled_overheads).extend(s for _, s in _overhead_per_cycle(res))
         else:
-            res = trees[j - 1].generate(text, max_new_tokens=tokens, seed=seed)
-            tree_samples += _overhead_per_cycle(res)
-            first += _first_levels(res)
-            levels += [(request, w, sec) for w, sec in _deeper_levels(res, level_widths(FIXED_TREES[j - 1]))]
+            tree = FIXED_TREES[j - len(ars)]
+            res = trees[j - len(ars)].generate(text, max_new_tokens=tokens, seed=seed)
+            out.tree_overheads += _overhead_per_cycle(res)
+            out.first_levels += _first_levels(res)
+            out.levels += [(request, w, sec) for w, sec in _deeper_levels(res, level_widths(tree))]
         after = speed(target)
         f = 0.5 * (before + after)
-        L = len(prompt) if j == 0 else len(text)
+        L = len(prompt) if j < len(ars) else len(text)
         for c in res.cycles:  # (request, verified nodes, committed context, state, forward seconds) in the decode loop
-            forwards.append((request, c.tree_size + 1, L, f, c.verify_seconds))
+            out.forwards.append((request, c.tree_size + 1, L, f, c.verify_seconds))
             L += c.accepted
         before = after
-    return tree_samples, ar_samples, first, forwards, levels
+    return out
 
 
 def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
-                   rng: np.random.Generator, dev) -> dict[tuple, float]:
-    """t_draft(w): one drafter level over a frontier of w depth-1 nodes of a real drafting state."""
+                   rng: np.random.Generator, dev, probe) -> tuple[dict[tuple, list[float]], dict[tuple, list[float]]]:
+    """(samples, probes) of t_draft(w): one drafter level over a frontier of w depth-1 nodes of a real
+    drafting state, each timing after a probe (`_measure_grid`)."""
     kmax = max(widths)
 
     def time_draft(w: int) -> float:
@@ -256,7 +280,7 @@ def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre,
         synchronize(dev)
         return time.perf_counter() - t0
 
-    return _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng)
+    return _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng, probe=probe)
 
 
 def calibrate_latency(
@@ -318,18 +342,29 @@ def calibrate_latency(
     prompt_len = min(contexts[0], 128)
     prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
     pre = target.prefill(prompt)
-    draft = {w: float(np.median(v)) for w, v in
-             _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng,
-                            dev=target.device)[0].items()}
+
+    def probe() -> float:  # the verify grid's probe, leaving the prompt's committed rows as they are
+        length = target.cache.length
+        seconds = _time_verify(target, 1, contexts[0], rng)
+        target.cache.length = length
+        return seconds
+
+    draft_samples, draft_probes = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng,
+                                                 dev=target.device, probe=probe)
+    draft = {w: float(np.median(v)) for w, v in draft_samples.items()}
+    draft_fits = {w: state_fit(v, np.asarray(draft_probes[w]) / ref, mean_state) for w, v in draft_samples.items()}
+    one_row_slope = float(np.median([fits[(1, L)][1] / verify[(1, L)] for L in contexts])) if sizes[0] == 1 else 0.0
+    draft_elasticity = fit_draft_elasticity({w: lv for w, (lv, _) in draft_fits.items()},
+                                            {w: sl for w, (_, sl) in draft_fits.items()}, one_row_slope)
 
     # ---- t_fixed per cycle kind from real requests
     text = list(text_prompt)[:prompt_len] if text_prompt else prompt
-    fixed_samples, fixed_ar_samples, first_levels, forwards, draft_levels = measure_fixed(
-        target, drafter, text, tokens=fixed_tokens, seed=seed,
-        speed=lambda t: probe_seconds(t) / (a0 + b0 * t.cache.length))
-    level = decode_loop_level(sizes, a, b, table, elasticity, forwards)
+    loop = measure_fixed(target, drafter, text, tokens=fixed_tokens, seed=seed,
+                         speed=lambda t: probe_seconds(t) / (a0 + b0 * t.cache.length))
+    fixed_samples, fixed_ar_samples, first_levels = loop.tree_overheads, loop.ar_overheads, loop.first_levels
+    level = decode_loop_level(sizes, a, b, table, elasticity, loop.forwards)
     # the draft table where decoding runs it: a level after a target pass, not right after `begin`
-    draft_scale = decode_loop_draft_scale(widths, [draft[(w,)] for w in widths], draft_levels)
+    draft_scale = decode_loop_draft_scale(widths, [draft[(w,)] for w in widths], loop.levels)
     draft = {k: v * draft_scale for k, v in draft.items()}
     level["draft_scale"] = draft_scale
     all_states = np.concatenate(list(state.values()))
@@ -351,7 +386,8 @@ def calibrate_latency(
     model = LatencyModel(
         sizes=sizes, contexts=contexts, verify_table=table.tolist(), verify_intercept=a, verify_slope=b,
         slope_mode=mode, draft_widths=widths, draft_table=[draft[(w,)] for w in widths], fixed=fixed, fixed_ar=fixed_ar,
-        fixed_slope=fixed_slope, catchup=catchup, drift_elasticity=elasticity, probe_level=level["probe_level"], meta=info,
+        fixed_slope=fixed_slope, catchup=catchup, drift_elasticity=elasticity, probe_level=level["probe_level"],
+        draft_elasticity=draft_elasticity, fixed_sampled=loop.fixed_sampled, meta=info,
     )
     validation = []
     for n, L in held:  # the grid's held-out shapes, at the decode loop's level like the table (interpolation error)

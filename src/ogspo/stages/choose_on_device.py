@@ -28,7 +28,7 @@ DEVICE_FILE = "device.json"
 
 def on_device_settings(config: Mapping | None) -> dict:
     s = dict((config or {}).get("on_device") or {})
-    for key in ("candidates", "prompts_per_workload", "max_new_tokens", "margin"):
+    for key in ("candidates", "prompts_per_workload", "max_new_tokens", "margin", "confidence"):
         if key not in s:
             raise ValueError(f"on_device.{key} is missing (config/default.yaml has every key)")
     return s
@@ -77,13 +77,14 @@ def run_choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Map
                          out_dir: Path, progress: Callable[[str], None] | None = None) -> list[WorkloadChoice]:
     """Stage `choose_on_device`: the choices, written as a policy folder at `out_dir`."""
     t0 = time.perf_counter()
-    latency = LatencyModel.from_json(latency_path)
+    latency = LatencyModel.from_json(latency_path).at_temperature(temperature)
     sequoia = load_structure(sequoia_path) if sequoia_path is not None else None
     s = on_device_settings(config)
     choices = choose_on_device(target=target, drafter=drafter, policy_dir=policy_dir, records_dirs=records_dirs,
                                latency=latency, sequoia=sequoia, prompts=prompts, temperature=temperature,
                                candidates=int(s["candidates"]), max_new_tokens=int(s["max_new_tokens"]),
-                               margin=float(s["margin"]), seed=seed, interleave=interleave, progress=progress)
+                               margin=float(s["margin"]), confidence=float(s["confidence"]), seed=seed,
+                               interleave=interleave, progress=progress)
     write_choice(choices, policy_dir=policy_dir, out_dir=out_dir,
                  meta={"temperature": float(temperature), "settings": s, "interleave": interleave,
                        "seconds": time.perf_counter() - t0})

@@ -153,7 +153,7 @@ def run_rounds_stage(
     every static tree (S at each depth, Sequoia's tree at `sequoia_path`) on held-out record requests."""
     structure, oracle_J = read_oracle(oracle_path)
     records = [load_records(Path(d)) for d in records_dirs] if len(structure) else []
-    latency = LatencyModel.from_json(latency_path) if len(structure) else None
+    latency = LatencyModel.from_json(latency_path).at_temperature(records[0].meta["temperature"]) if records else None
 
     def setup() -> SameTraceSetup:
         target, drafter, tokenizer, checksum, drafter_id = load_engine()

@@ -54,7 +54,7 @@ def resolve_device(*, records_dirs: list[Path], latency_path: Path, out_dir: Pat
     records = [load_records(Path(d)) for d in records_dirs]
     if not records:
         raise ValueError("no records folders given")
-    latency = LatencyModel.from_json(latency_path)
+    latency = LatencyModel.from_json(latency_path).at_temperature(records[0].meta["temperature"])
     for d, r in zip(records_dirs, records):  # the same prepared model and head: only the device differs
         for key, what in (("model_checksum", "model"), ("drafter", "drafter")):
             if latency.meta.get(key) != r.meta.get(key):

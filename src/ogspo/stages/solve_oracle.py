@@ -15,7 +15,9 @@ from ogspo.offline.solve import combine_cycles, solve_oracle
 
 def run_solve_oracle(*, records_dirs: list[Path], latency_path: Path, config: Mapping, out: Path) -> OracleResult:
     """Solve the oracle on the records folders (one template) and write its JSON to `out`."""
-    cycles = combine_cycles([replay_cycles(load_records(d)) for d in records_dirs])
-    result = solve_oracle(cycles=cycles, latency=LatencyModel.from_json(latency_path), config=config)
+    records = [load_records(d) for d in records_dirs]
+    cycles = combine_cycles([replay_cycles(r) for r in records])
+    latency = LatencyModel.from_json(latency_path).at_temperature(records[0].meta["temperature"])
+    result = solve_oracle(cycles=cycles, latency=latency, config=config)
     write_oracle(result, out)
     return result

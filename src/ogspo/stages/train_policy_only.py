@@ -48,11 +48,11 @@ def run_train_policy(
         write_text(out_dir / "train.md", f"No policy trained: {reason}.\n")
         return PolicyStageResult(out_dir=out_dir, train=None, oracle_throughput=oracle_J,
                                  export_seconds=0.0, features_seconds=0.0)
-    latency = LatencyModel.from_json(latency_path)
     t0 = time.perf_counter()
     records = [load_records(Path(d)) for d in records_dirs]
     if not records:
         raise ValueError("no records folders given")
+    latency = LatencyModel.from_json(latency_path).at_temperature(records[0].meta["temperature"])
     if oracle_path is None:
         S = records[0].template
     parts = [offline_states(records=r, structure=S, latency=latency) for r in records]

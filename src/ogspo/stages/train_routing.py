@@ -34,8 +34,8 @@ def run_train_routing(*, records_dirs: list[Path], latency_path: Path, config: d
     if not records_dirs:
         raise ValueError("train-routing needs at least one records folder")
     cfg = routing_settings(config)
-    latency = LatencyModel.from_json(latency_path)
     recs = [load_records(Path(d)) for d in records_dirs]
+    latency = LatencyModel.from_json(latency_path).at_temperature(recs[0].meta["temperature"])
     templates = check_templates(cfg["templates"], recs[0].template)
     for d, r in zip(records_dirs, recs):
         if r.template.paths != recs[0].template.paths:
