@@ -19,9 +19,10 @@ The fits from the timings are `ogspo.offline.latency_fit`'s.
   drafting state (request begun, root expanded); the drafter state is discarded between
   repetitions by beginning the request again. Piecewise linear in w, t_draft(0) = 0. Then scaled to
   the levels past the first of the static-tree requests below (`decode_loop_draft_scale`): in
-  decoding a level follows a target pass. Each timing follows a probe like the verify grid's, so how
-  a level moves with the state is fitted the same way (`draft_elasticity`, relative to the one-row
-  forward; the model applies it to the per-cycle overheads too).
+  decoding a level follows a target pass. Its shapes are timed in the verify grid, shuffled among
+  the verify shapes, so how a level moves with the state is fitted the same way, over the same states
+  (`draft_elasticity`, relative to the one-row forward; the model applies it to the per-cycle
+  overheads too).
 - t_catchup: a drafted cycle that commits A tokens leaves A - 1 of them for the EAGLE head to re-encode
   at the next cycle's first level. From the same static-tree requests as t_fixed: the first level's
   time of each cycle against the tokens the previous cycle committed b: the increments of its median
@@ -258,11 +259,10 @@ def measure_fixed(target: TreeLM, drafter: TreeDrafter, prompt: list[int], *, to
     return out
 
 
-def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, widths: list[int], *, reps: int, warmup: int,
-                   rng: np.random.Generator, dev, probe) -> tuple[dict[tuple, list[float]], dict[tuple, list[float]]]:
-    """(samples, probes) of t_draft(w): one drafter level over a frontier of w depth-1 nodes of a real
-    drafting state, each timing after a probe (`_measure_grid`)."""
-    kmax = max(widths)
+def _draft_timer(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre, kmax: int, *, rng: np.random.Generator,
+                 dev) -> Callable[[int], float]:
+    """t_draft(w): seconds of one drafter level over a frontier of w depth-1 nodes of a real drafting
+    state (the request begun on `prompt`, whose target prefill is `pre`; the target's cache is not read)."""
 
     def time_draft(w: int) -> float:
         drafter.begin(list(prompt), pre)  # discards any pending drafter state of the previous rep
@@ -280,7 +280,7 @@ def _measure_draft(target: TreeLM, drafter: TreeDrafter, prompt: list[int], pre,
         synchronize(dev)
         return time.perf_counter() - t0
 
-    return _measure_grid(time_draft, [(w,) for w in widths], reps=reps, warmup=warmup, rng=rng, probe=probe)
+    return time_draft
 
 
 def calibrate_latency(
@@ -314,15 +314,22 @@ def calibrate_latency(
     if max_L + sizes[-1] > target.cache.max_len:
         raise ValueError(f"context {max_L} + tree {sizes[-1]} exceeds the target cache of {target.cache.max_len} rows")
     rng = np.random.default_rng(seed)
+    prompt_len = min(contexts[0], 128)
+    prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
+    pre = target.prefill(prompt)  # the drafting state of t_draft; its cache is then filled for t_verify
+    time_draft = _draft_timer(target, drafter, prompt, pre, max(widths), rng=rng, dev=target.device)
     _fill_cache(target, max_L, seed)
     filled = target.cache.length
 
-    # ---- t_verify table and held-out shapes, interleaved
+    # ---- t_verify table, held-out shapes and t_draft(w) in one shuffled grid, so that every shape meets
+    # the same machine states (a draft grid of its own lasted ~15 s and read its elasticity 0.4 in one
+    # calibration and 1.0 in the next)
     grid = [(n, L) for n in sizes for L in contexts]
     held = [(n, L) for n in held_sizes for L in held_ctx]
+    levels = [("draft", w) for w in widths]
     samples, probes = _measure_grid(
-        lambda n, L: _time_verify(target, n, L, rng), grid + held, reps=reps, warmup=warmup, rng=rng, burst=2,
-        probe=lambda: _time_verify(target, 1, contexts[0], rng),
+        lambda a, b=None: time_draft(b) if a == "draft" else _time_verify(target, a, b, rng), grid + held + levels,
+        reps=reps, warmup=warmup, rng=rng, burst=2, probe=lambda: _time_verify(target, 1, contexts[0], rng),
     )
     target.cache.length, target.cache.pending = filled, 0
     # every shape at the machine's mean state over the grid, and how it moves with the state: the state of
@@ -331,6 +338,7 @@ def calibrate_latency(
     state = {s: np.asarray(v) / ref for s, v in probes.items()}
     mean_state = float(np.mean(np.concatenate(list(state.values()))))
     fits = {s: state_fit(v, state[s], mean_state) for s, v in samples.items()}
+    draft_fits = {s[1]: fits.pop(s) for s in levels}
     verify = {s: lv for s, (lv, _) in fits.items()}
     elasticity = (fit_elasticity(verify, {s: sl for s, (_, sl) in fits.items()}, sizes, contexts) if sizes[0] == 1
                   else [1.0] * len(sizes))
@@ -338,21 +346,8 @@ def calibrate_latency(
     a, b, mode = fit_verify(sizes, contexts, table)
     a0, b0 = a[0], b[0]  # the grid's one-row line: what a probe is compared with during the requests below
 
-    # ---- t_draft(w): frontier of w depth-1 nodes of a real drafting state
-    prompt_len = min(contexts[0], 128)
-    prompt = [int(t) for t in rng.integers(0, target.vocab_size, prompt_len)]
-    pre = target.prefill(prompt)
-
-    def probe() -> float:  # the verify grid's probe, leaving the prompt's committed rows as they are
-        length = target.cache.length
-        seconds = _time_verify(target, 1, contexts[0], rng)
-        target.cache.length = length
-        return seconds
-
-    draft_samples, draft_probes = _measure_draft(target, drafter, prompt, pre, widths, reps=reps, warmup=warmup, rng=rng,
-                                                 dev=target.device, probe=probe)
-    draft = {w: float(np.median(v)) for w, v in draft_samples.items()}
-    draft_fits = {w: state_fit(v, np.asarray(draft_probes[w]) / ref, mean_state) for w, v in draft_samples.items()}
+    # ---- t_draft(w) and how it follows the state
+    draft = {w: float(np.median(samples[("draft", w)])) for w in widths}
     one_row_slope = float(np.median([fits[(1, L)][1] / verify[(1, L)] for L in contexts])) if sizes[0] == 1 else 0.0
     draft_elasticity = fit_draft_elasticity({w: lv for w, (lv, _) in draft_fits.items()},
                                             {w: sl for w, (_, sl) in draft_fits.items()}, one_row_slope)
@@ -364,7 +359,7 @@ def calibrate_latency(
     fixed_samples, fixed_ar_samples, first_levels = loop.tree_overheads, loop.ar_overheads, loop.first_levels
     level = decode_loop_level(sizes, a, b, table, elasticity, loop.forwards)
     # the draft table where decoding runs it: a level after a target pass, not right after `begin`
-    draft_scale = decode_loop_draft_scale(widths, [draft[(w,)] for w in widths], loop.levels)
+    draft_scale = decode_loop_draft_scale(widths, [draft[w] for w in widths], loop.levels)
     draft = {k: v * draft_scale for k, v in draft.items()}
     level["draft_scale"] = draft_scale
     all_states = np.concatenate(list(state.values()))
@@ -385,7 +380,7 @@ def calibrate_latency(
     }
     model = LatencyModel(
         sizes=sizes, contexts=contexts, verify_table=table.tolist(), verify_intercept=a, verify_slope=b,
-        slope_mode=mode, draft_widths=widths, draft_table=[draft[(w,)] for w in widths], fixed=fixed, fixed_ar=fixed_ar,
+        slope_mode=mode, draft_widths=widths, draft_table=[draft[w] for w in widths], fixed=fixed, fixed_ar=fixed_ar,
         fixed_slope=fixed_slope, catchup=catchup, drift_elasticity=elasticity, probe_level=level["probe_level"],
         draft_elasticity=draft_elasticity, fixed_sampled=loop.fixed_sampled, meta=info,
     )
