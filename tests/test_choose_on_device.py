@@ -18,7 +18,7 @@ from ogspo.engine.policies import Autoregressive, StaticTree
 from ogspo.engine.target import LlamaTreeLM, build_tree_lm
 from ogspo.engine.tree import Structure
 from ogspo.learn.export import write_policy_folder
-from ogspo.learn.on_device import OWN, candidate_trees, choose_on_device, decide, rank_static
+from ogspo.learn.on_device import OWN, candidate_trees, choose_on_device, decide, rank_static, replay_static
 from ogspo.learn.ship import static_candidates
 from ogspo.methods.ogspo import OgspoTree, make_ogspo
 from ogspo.stages.choose_on_device import read_device_choice, write_choice
@@ -93,6 +93,24 @@ def test_the_static_trees_are_ranked_by_their_replay_on_the_records(records):
     assert "sequoia" not in outside
 
 
+def test_a_trees_sample_factor_is_its_replay_on_all_requests_over_that_on_the_prompts_decoded(records):
+    """replay_static: (all requests, `request_ids` alone) per tree; the second is the replay of those
+    requests' cycles, and equals the first when none of the ids is in the records."""
+    from ogspo.artifacts.records import load_records
+    from ogspo.offline.replay import replay, replay_cycles
+
+    lat = synthetic_latency()
+    trees = static_candidates(SUB, None)
+    recs = load_records(records)
+    first = sorted(set(recs.cycles["request_id"].to_list()))[0]
+    got = replay_static(records, lat, trees, [first])
+    mine = (recs.cycles["request_id"] == first).to_numpy()
+    r = replay(cycles=replay_cycles(recs), structures=[trees["S<=2"]], depths=np.array([2]), model=lat)
+    assert got["S<=2"][0] == pytest.approx(rank_static(records, lat, trees)["S<=2"])
+    assert got["S<=2"][1] == pytest.approx(float(r.accepted[:, mine].sum() / r.seconds[:, mine].sum()))
+    assert all(a == pytest.approx(b) for a, b in replay_static(records, lat, trees, ["elsewhere/x"]).values())
+
+
 def test_the_choice_made_on_the_device_is_what_the_ogspo_method_decodes(records, tmp_path):
     policy = tmp_path / "policy"
     write_policy_folder(head=threshold_head("max_cum_prob", 0.3), structure=SUB, lam=1.0, out_dir=policy, info={})
@@ -105,7 +123,10 @@ def test_the_choice_made_on_the_device_is_what_the_ogspo_method_decodes(records,
     assert c.own == "policy" and c.candidates[OWN] is None and c.candidates["ar"] == []
     assert len(c.candidates) == 2 + K  # own, the K best replayed, ar
     assert all(len(v) == 2 and min(v) > 0 for v in c.tokens_per_second.values())
-    assert c.chosen == decide(c.tokens_per_second, 0.0) and OWN not in c.replayed
+    assert set(c.sample_factor) == set(c.candidates) and all(v > 0 for v in c.sample_factor.values())
+    corrected = {n: [v * c.sample_factor[n] for v in tps] for n, tps in c.tokens_per_second.items()}
+    assert c.chosen == decide(corrected, 0.0) and OWN not in c.replayed
+    assert c.corrected(OWN) == pytest.approx(c.gmean(OWN) * c.sample_factor[OWN])
 
     out = tmp_path / "ogspo"
     write_choice(choices, policy_dir=policy, out_dir=out, meta={"temperature": 0.0})

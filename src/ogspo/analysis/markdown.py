@@ -260,18 +260,22 @@ def render_on_device(docs: Mapping[str, dict]) -> list[str]:
         return []
     lines = ["### What `ogspo` ships, chosen on the device", "",
              "Per workload, the policy folder's own choice, autoregressive decoding and the static trees the records "
-             "replay fastest, decoded side by side on calib prompts (geometric-mean tokens/s, prefill included; replayed "
-             "on the records in brackets, cycles only); the fastest ships.", ""]
+             "replay fastest, decoded side by side on calib prompts (geometric-mean tokens/s, prefill included; x its "
+             "replayed tokens/s on all the records' requests over that on these prompts'; replayed on the records in "
+             "brackets, cycles only); the fastest after that factor ships, the own choice unless a paired test agrees.",
+             ""]
     for tag, doc in docs.items():
         s = doc.get("settings") or {}
         lines.append(f"- {tag} ({s.get('prompts_per_workload')} calib prompts x {s.get('max_new_tokens')} tokens a "
-                     f"workload, margin {s.get('margin')}):")
+                     f"workload, margin {s.get('margin')}, confidence {s.get('confidence')}):")
         for w in doc["workloads"]:
             def fig(name: str) -> str:
                 g = gmean(w["tokens_per_second"][name])
                 rep = w["replayed"].get(name)
+                factor = (w.get("sample_factor") or {}).get(name)
                 label = f"{name} ({w['own']})" if name == "own" else name
-                return f"{label} {g:.1f}" + ("" if rep is None else f" [{rep:.1f}]")
+                return (f"{label} {g:.1f}" + ("" if factor is None else f" x{factor:.3f}")
+                        + ("" if rep is None else f" [{rep:.1f}]"))
             chosen = w["own"] if w["chosen"] == "own" else w["chosen"]
             lines.append(f"  - {w['workload']}: {', '.join(fig(n) for n in w['candidates'])} -> **{chosen}**")
     return lines + [""]

@@ -11,16 +11,20 @@ where the decisions pay, as tuned EAGLE-3's is (`stages.tune_eagle`):
   autoregressive decoding, and the `candidates` static trees with the highest replayed tokens/s on
   that workload's records among `learn.ship.static_candidates` (S cut at each depth, Sequoia's tree,
   the one- and two-token chains);
-- they decode calib prompts side by side (cycle by cycle under `interleave`, mirrored orders), every
-  request `max_new_tokens` long;
-- the highest geometric-mean tokens/s ships; the folder's own choice stays unless another is faster
-  by more than `margin` and a paired test over the prompts at `confidence` agrees (`decide`).
+- they decode the first calib prompts side by side (cycle by cycle under `interleave`, mirrored
+  orders), every request `max_new_tokens` long;
+- each candidate's measured tokens/s is carried to the workload by its `sample_factor`: its replayed
+  tokens/s on all the records' requests over that on the requests of these prompts (the device prices
+  the cycles, the records' many prompts say how much they commit: three prompts decoded with the same
+  seeds in every run had S<=1 5% ahead of AR where the records and evaluation put AR ahead);
+- the highest corrected geometric-mean tokens/s ships; the folder's own choice stays unless another is
+  faster by more than `margin` and a paired test over the prompts at `confidence` agrees (`decide`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,21 +52,40 @@ class WorkloadChoice:
     replayed: dict[str, float]  # name -> replayed tokens/s on the workload's records (the own stop policy: absent)
     tokens_per_second: dict[str, list[float]]  # name -> measured tokens/s per calib prompt
     chosen: str  # OWN or a candidate's name
+    sample_factor: dict[str, float] = field(default_factory=dict)  # name -> replayed J, all records / these prompts'
 
     def gmean(self, name: str) -> float:
         return gmean(self.tokens_per_second[name])
 
+    def corrected(self, name: str) -> float:
+        """The measured geometric mean carried from the prompts decoded here to the workload's records
+        (times `sample_factor`): what `decide` compares."""
+        return self.gmean(name) * self.sample_factor.get(name, 1.0)
 
-def rank_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, Structure]) -> dict[str, float]:
-    """Replayed tokens/s of every tree of `trees` inside the records' template, on one workload's
-    records under `latency`, fastest first (a tree that leaves the template is left out)."""
-    cycles = replay_cycles(load_records(Path(records_dir)))
+
+def replay_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, Structure],
+                  request_ids: Collection[str] = ()) -> dict[str, tuple[float, float]]:
+    """Per tree of `trees` inside the records' template (a tree that leaves it is left out): its replayed
+    tokens/s under `latency` on one workload's records, on all requests and on `request_ids` alone (the
+    same figure where none of them is in the records)."""
+    records = load_records(Path(records_dir))
+    cycles = replay_cycles(records)
+    mine = records.cycles["request_id"].is_in(list(request_ids)).to_numpy()  # [C]
+    mine = mine if mine.any() else np.ones_like(mine)
     inside = {n: s for n, s in trees.items() if all(p in cycles.template for p in s.paths)}
     names = list(inside)
     r = replay(cycles=cycles, structures=[inside[n] for n in names], depths=np.array([inside[n].max_depth for n in names]),
                model=latency)
     J = r.accepted.sum(axis=1) / r.seconds.sum(axis=1)  # [K]
-    return dict(sorted(zip(names, J.tolist()), key=lambda x: -x[1]))
+    J_mine = r.accepted[:, mine].sum(axis=1) / r.seconds[:, mine].sum(axis=1)  # [K]
+    return {n: (float(a), float(b)) for n, a, b in zip(names, J, J_mine)}
+
+
+def rank_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, Structure]) -> dict[str, float]:
+    """Replayed tokens/s of every tree of `trees` inside the records' template, on one workload's
+    records under `latency`, fastest first (a tree that leaves the template is left out)."""
+    J = {n: a for n, (a, _) in replay_static(records_dir, latency, trees).items()}
+    return dict(sorted(J.items(), key=lambda x: -x[1]))
 
 
 def candidate_trees(own: TreePolicy, ranked: dict[str, float], all_static: dict[str, Structure],
@@ -134,7 +157,8 @@ def choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Mapping
     replayed and measured tokens/s, and the choice (see the module docstring). S is the policy folder's
     structure (where the keep/drop rule dropped the policy, the static tree it shipped instead)."""
     policy_dir = Path(policy_dir)
-    all_static = static_candidates(load_structure(policy_dir / STRUCTURE_FILE), sequoia)
+    S = load_structure(policy_dir / STRUCTURE_FILE)
+    all_static = static_candidates(S, sequoia)
     out = []
     for workload, plist in prompts.items():
         if workload not in records_dirs:
@@ -143,18 +167,25 @@ def choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Mapping
         entry = workload_choice(policy_dir, workload)
         own_name = (entry or {}).get("shipped") or ("policy" if own.hook is not None
                                                      else "ar" if isinstance(own, Autoregressive) else "static")
-        # the own choice replayed beside them where it is a static tree (the stop policy's J is the keep/drop rule's)
-        own_tree = {} if own.hook is not None else {OWN: Structure([]) if isinstance(own, Autoregressive) else own.structure}
-        ranked = rank_static(records_dirs[workload], latency, all_static | own_tree)
-        own_J = {OWN: ranked.pop(OWN)} if OWN in ranked else {}
+        # the own choice replayed beside them: a static tree itself, a stop policy through the static tree it
+        # replaced (its J is the keep/drop rule's; here it only stands in for the sample's correction)
+        own_tree = (Structure([tuple(p) for p in (entry or {}).get("static_structure", S.to_list())]) if own.hook is not None
+                    else Structure([]) if isinstance(own, Autoregressive) else own.structure)
+        replayed = replay_static(records_dirs[workload], latency, all_static | {OWN: own_tree},
+                                 [f"{workload}/{pid}" for pid, _ in plist])
+        ranked = dict(sorted(((n, a) for n, (a, _) in replayed.items() if n != OWN), key=lambda x: -x[1]))
+        own_J = {OWN: replayed[OWN][0]} if own.hook is None and OWN in replayed else {}
         cands = candidate_trees(own, ranked, all_static, candidates)
         policies = {n: own if n == OWN else _static(p, n) for n, p in cands.items()}
         tps = measure_candidates(target=target, drafter=drafter, prompts=plist, policies=policies, temperature=temperature,
                                  workload=workload, max_new_tokens=max_new_tokens, seed=seed, interleave=interleave)
+        factor = {n: replayed[n][0] / replayed[n][1] if n in replayed else 1.0 for n in cands}
         choice = WorkloadChoice(workload=workload, own=own_name, candidates=cands,
                                 replayed=own_J | {n: ranked[n] for n in cands if n in ranked}, tokens_per_second=tps,
-                                chosen=decide(tps, margin, confidence))
+                                sample_factor=factor, chosen=decide(
+                                    {n: [v * factor[n] for v in tps[n]] for n in cands}, margin, confidence))
         out.append(choice)
         if progress:
-            progress(f"{workload}: " + ", ".join(f"{n} {choice.gmean(n):.1f}" for n in cands) + f" tok/s -> {choice.chosen}")
+            progress(f"{workload}: " + ", ".join(f"{n} {choice.gmean(n):.1f} (x{factor[n]:.3f})" for n in cands)
+                     + f" tok/s -> {choice.chosen}")
     return out

@@ -53,7 +53,8 @@ def write_choice(choices: list[WorkloadChoice], *, policy_dir: Path, out_dir: Pa
         if c.chosen != OWN:
             entry.update(shipped=c.chosen, structure=c.candidates[c.chosen])
         entry["on_device"] = {"chosen": c.chosen, "own": c.own,
-                              "tokens_per_second": {n: c.gmean(n) for n in c.candidates}, "replayed": c.replayed}
+                              "tokens_per_second": {n: c.gmean(n) for n in c.candidates}, "replayed": c.replayed,
+                              "sample_factor": c.sample_factor}
         works[c.workload] = entry
     write_json(out_dir / WORKLOADS_FILE, works)
     write_json(out_dir / DEVICE_FILE, {**meta, "policy": str(policy_dir), "workloads": [asdict(c) for c in choices]})
