@@ -57,11 +57,6 @@ class WorkloadChoice:
     def gmean(self, name: str) -> float:
         return gmean(self.tokens_per_second[name])
 
-    def corrected(self, name: str) -> float:
-        """The measured geometric mean carried from the prompts decoded here to the workload's records
-        (times `sample_factor`): what `decide` compares."""
-        return self.gmean(name) * self.sample_factor.get(name, 1.0)
-
 
 def replay_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, Structure],
                   request_ids: Collection[str] = ()) -> dict[str, tuple[float, float]]:

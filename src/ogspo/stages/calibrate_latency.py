@@ -328,7 +328,7 @@ def calibrate_latency(
     held = [(n, L) for n in held_sizes for L in held_ctx]
     levels = [("draft", w) for w in widths]
     samples, probes = _measure_grid(
-        lambda a, b=None: time_draft(b) if a == "draft" else _time_verify(target, a, b, rng), grid + held + levels,
+        lambda a, b: time_draft(b) if a == "draft" else _time_verify(target, a, b, rng), grid + held + levels,
         reps=reps, warmup=warmup, rng=rng, burst=2, probe=lambda: _time_verify(target, 1, contexts[0], rng),
     )
     target.cache.length, target.cache.pending = filled, 0
