@@ -14,7 +14,8 @@
  *
  * The rows: X is rounded to bf16 (round to nearest even) once per call into [m][in/2] pairs; each
  * row's pair is broadcast against the panel vectors. Register blocking, row blocks, panel groups
- * per thread and prefetching are those of the fp32 kernel (gemm.c).
+ * per thread and prefetching are those of the fp32 kernel (gemm.c) as it was before its passes
+ * prefetched the next group: groups of ~1 MB here, the overlap not yet measured on an AVX512-BF16 CPU.
  *
  * Numerics: every output element is one fixed sequence of `vdpbf16ps` over the pairs 0..in/2-1
  * whatever the row count, row block, panel grouping or thread: a row's result is bitwise the same
