@@ -180,7 +180,8 @@ def bench_head(heads: dict, targets: dict, context: int, reps: int) -> dict[str,
             feat = torch.randn(1, head.cfg.hidden, generator=g)
             kv = head.bench_cache
             t0 = time.perf_counter()
-            _, logits = head.step(torch.tensor([7]), feat, torch.tensor([context]), kv.keys[0], kv.values[0], context, None)
+            _, logits = head.step(torch.tensor([7]), feat, torch.tensor([context]), kv.keys[0], kv.values[0], context, context,
+                                  None)
             torch.log_softmax(logits, -1).topk(4)
             if r >= 2:
                 res[name].append(time.perf_counter() - t0)

@@ -13,6 +13,8 @@ from engine_helpers import hf_annotate, hf_greedy, make_head, tiny_model
 from ogspo.drafter.head import EagleHead, ttt_attention
 from ogspo.drafter.runtime import EagleDrafter, load_head
 from ogspo.drafter.train import write_head
+from ogspo.engine import kernels as K
+from ogspo.engine import native
 from ogspo.engine.decode import SpeculativeEngine
 from ogspo.engine.policies import DynamicTree, StaticTree, chain
 from ogspo.engine.target import ForwardOut, build_tree_lm
@@ -42,6 +44,41 @@ def test_ttt_steps_match_drafting():
     exp2 = drafter.expand(tree, np.array([1]), 5)
     ref2 = torch.log_softmax(train_logits[1][0, t + 1], -1).topk(5)
     np.testing.assert_allclose(exp2.logq[0], ref2.values.double().numpy(), atol=1e-4)
+
+
+@pytest.mark.skipif(native.load() is None, reason=f"native kernels not built here: {native.unavailable_reason()}")
+def test_the_heads_native_step_drafts_what_its_torch_step_does():
+    """With a kernel table that runs the layer ops natively, a draft level's norms, rotary embedding, cache
+    write, tree attention and SwiGLU run in C: the same tokens and log-probs (to 1e-4) as the head's torch
+    ops, from the prompt's prefill through the root and two deeper levels of a branching tree."""
+    target = tiny_model(0, hidden=64, heads=4, kv_heads=2).float()  # head dim 16: a multiple of every vector width
+    rows = [1, 2, 4, 8, 16, 32]
+    classes = (*K.CLASSES, K.LAYER_OPS)
+    table = K.KernelTable(key=K.device_key("cpu", torch.float32), shapes={}, rows=rows,
+                          choice={c: ["native1"] * len(rows) for c in classes}, pad_to={c: list(rows) for c in classes})
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 64, (11,), generator=g).tolist()
+    feats = ForwardOut(logits=torch.zeros(1), features=torch.randn(len(prompt), 3 * 64, generator=g))
+    drafts = []
+    for native_ops in (False, True):
+        head = make_head(target)
+        head.use_kernels(table if native_ops else None, torch.float32)
+        assert (head.kernels.layer_ops(4) is not None) == native_ops
+        drafter = EagleDrafter(head, max_len=64)
+        drafter.begin(prompt, feats)
+        tree = DraftTree.from_root(int(prompt[-1]))
+        levels = [drafter.expand(tree, np.array([0]), 3)]
+        kids = tree.add_children(parents=np.zeros(3, dtype=np.int64), tokens=levels[0].tokens[0], ranks=np.arange(3),
+                                 logq=np.zeros(3), entropy=np.zeros(3))
+        levels.append(drafter.expand(tree, kids, 2))
+        grand = tree.add_children(parents=np.repeat(kids[:2], 2), tokens=levels[1].tokens[:2].ravel(),
+                                  ranks=np.tile(np.arange(2), 2), logq=np.zeros(4), entropy=np.zeros(4))
+        levels.append(drafter.expand(tree, grand, 2))
+        drafts.append(levels)
+    for ref, got in zip(*drafts):
+        assert got.tokens.tolist() == ref.tokens.tolist()
+        np.testing.assert_allclose(got.logq, ref.logq, atol=1e-4)
+        np.testing.assert_allclose(got.entropy, ref.entropy, atol=1e-4)
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])

@@ -16,7 +16,10 @@ like the target's layers (any family the engine runs):
 
 Input at position t is (feature of position t, token t+1); the output predicts token t+2.
 At decode time (`use_kernels`) the head's matmuls run on the target's measured kernel table in the
-target's weight dtype (`HeadKernels`), not through torch's per-module linears.
+target's weight dtype (`HeadKernels`), not through torch's per-module linears; where that table runs
+the target's layer ops natively at the step's row count, so does the head (its norms, rotary embedding
++ cache write + tree attention and SwiGLU in a few C calls instead of ~60 torch ops: a draft level
+was ~1 ms of dispatch beside ~1.5 ms of weights on the 2-core Zen 3).
 Training-time test (TTT): step j > 1 feeds the head its own step-(j-1) output at t-1 as the feature,
 attending the way a depth-j draft node does (committed rows up to t-j+1, then its own ancestors).
 """
@@ -30,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ogspo.engine.kernels import KernelTable, Matmul
+from ogspo.engine.layer_ops import TORCH, NativeLayerOps, Step, make_layer_ops
 from ogspo.engine.target import layer_projections
 
 
@@ -173,9 +177,38 @@ class HeadKernels:
             "fc": Matmul("down", [w(head.fc.weight)], table),
             "lm": Matmul("lm_head", [w(head.lm_rows)], table),
         }
+        self.table, self.device = table, head.lm_rows.device
+        self.n_heads, self.kv_heads, self.head_dim, self.eps = c.n_heads, c.kv_heads, c.head_dim, c.eps
+        self._ops: dict[str, NativeLayerOps | None] = {}
+        self._ops_by_rows: dict[int, NativeLayerOps | None] = {}
+        self._rope = head.rope
+        self._cos = self._sin = torch.zeros(0, c.head_dim)
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.mm[name](0, x)
+
+    def layer_ops(self, m: int) -> NativeLayerOps | None:
+        """The native layer ops the table runs the target's single-sequence forwards of m rows on, or None
+        (no table, a GPU head, or torch's ops there: the head's step then runs its torch ops)."""
+        if m not in self._ops_by_rows:
+            name = TORCH if self.table is None or self.device.type != "cpu" else self.table.layer_ops(m)
+            if name != TORCH and name not in self._ops:
+                try:
+                    self._ops[name] = make_layer_ops(name, n_heads=self.n_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                                     eps=self.eps)
+                except RuntimeError:  # no native build, or a head dimension the native attention does not take
+                    self._ops[name] = None
+            self._ops_by_rows[m] = None if name == TORCH else self._ops[name]
+        return self._ops_by_rows[m]
+
+    def rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows, hd] of positions 0..rows-1 (rows >= `positions`, grown by doubling), the values
+        `EagleHead.rope` computes for each position."""
+        if self._cos.shape[0] < positions:
+            rows = max(positions, 2 * self._cos.shape[0], 256)
+            cos, sin = self._rope(torch.arange(rows, device=self.device), torch.float32)  # [rows, hd] each
+            self._cos, self._sin = cos.contiguous(), sin.contiguous()
+        return self._cos, self._sin
 
 
 class EagleHead(nn.Module):
@@ -315,20 +348,46 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ inference
 
     @torch.inference_mode()
-    def step(self, tokens, feat, positions, keys, values, start: int, mask, *, with_logits: bool = True):
+    def step(self, tokens, feat, positions, keys, values, start: int, committed: int, attend, *, with_logits: bool = True):
         """One forward over m new rows (written at cache rows start..start+m).
-        tokens [m], feat [m, D], positions [m]; keys/values [1, KV, max_len, hd]; mask [m, start+m] bool or None.
+        tokens [m], feat [m, D], positions [m]; keys/values [1, KV, max_len, hd]. Every new row sees the
+        committed rows 0..committed; of the pending rows committed..start+m, those `attend` [m, start -
+        committed + m] (bool) marks, or with attend None the causal ones (row i up to start + i).
         Returns (layer outputs [m, D], draft logits [m, V'] or None without `with_logits`)."""
         m = tokens.shape[0]
         kern = self.kernels
+        ops = None if kern is None else kern.layer_ops(m)
+        if ops is not None:
+            return self._native_step(ops, tokens, feat, positions, keys, values, start, committed, attend, with_logits)
         x = self.residual(feat)[None]  # [1, m, D] the residual stream
         cos, sin = self.rope(positions[None], x.dtype)
         q, k, v = self.qkv(self.layer_input(tokens, feat)[None], cos, sin, kern)
         keys[:, :, start : start + m] = k
         values[:, :, start : start + m] = v
+        if attend is None:
+            mask = None if m == 1 else torch.ones(m, start + m, dtype=torch.bool, device=feat.device).tril_(start)  # causal
+        else:
+            mask = torch.ones(m, start + m, dtype=torch.bool, device=feat.device)  # [m, start + m]
+            mask[:, committed:] = attend
         attn = F.scaled_dot_product_attention(
             q, keys[:, :, : start + m], values[:, :, : start + m],
             attn_mask=None if mask is None else mask[None, None], enable_gqa=q.shape[1] != k.shape[1],
         )  # [1, H, m, hd]
         out = self.finish(x, attn, kern)[0]  # [m, D]
         return out, self.logits(out, kern) if with_logits else None
+
+    def _native_step(self, ops: NativeLayerOps, tokens, feat, positions, keys, values, start, committed, attend, with_logits):
+        """`step` on the native layer ops: the same operations (RMSNorms, rotary embedding, the cache write,
+        attention over the visible rows, SwiGLU, the residual adds) in C, summed in their own order."""
+        kern, c = self.kernels, self.cfg
+        feat = feat.float().contiguous()[None]  # [1, m, D]
+        _, hf = ops.add_rmsnorm(feat, None, self.hidden_norm)  # hidden_norm(h) [1, m, D]; feat itself is unchanged
+        x = (hf if c.norm_before_residual else feat).clone()  # [1, m, D] the residual stream, updated in place
+        _, e = ops.add_rmsnorm(F.embedding(tokens, self.embed)[None].contiguous(), None, self.input_layernorm)  # [1, m, D]
+        cos, sin = kern.rope_tables(int(positions.max()) + 1)
+        where = Step(positions=positions[None], start=start, committed=committed, attend=attend, mask=None, cos_table=cos,
+                     sin_table=sin)
+        attn = ops.rope_attention(kern("qkv", torch.cat([e, hf], -1)), None, where, keys, values)  # [1, m, H hd]
+        x, h = ops.add_rmsnorm(x, kern("o", attn), self.post_attention_layernorm)
+        x, h = ops.add_rmsnorm(x, kern("down", ops.silu_mul(kern("gate_up", h))), self.norm)  # h: the final norm's output
+        return x[0], kern("lm", h)[0] if with_logits else None

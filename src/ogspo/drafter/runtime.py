@@ -92,10 +92,9 @@ class EagleDrafter(TreeDrafter):
         if n > 0:
             dev = self.device
             start = c.reserve(torch.arange(c.end, c.end + n, device=dev))
-            mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool, device=dev).tril_()  # causal over the prompt
-            with torch.inference_mode():
+            with torch.inference_mode():  # causal over the prompt
                 self.head.step(torch.tensor(prompt[1:], device=dev), feats[:n], torch.arange(start, start + n, device=dev),
-                               c.keys[0], c.values[0], start, mask, with_logits=False)
+                               c.keys[0], c.values[0], start, start, None, with_logits=False)
             c.commit_prefix(n)
         self.back_feats = [feats[n:]]
         self.back_tokens = []
@@ -123,8 +122,7 @@ class EagleDrafter(TreeDrafter):
             b = toks.shape[0]
             positions = torch.arange(c.end, c.end + b, device=dev)  # [b]
             start = c.reserve(positions)
-            causal = None if b == 1 else torch.ones(b, start + b, dtype=torch.bool, device=dev).tril_(start)  # [b, start + b]
-            out, logits = self.head.step(toks, feats, positions, c.keys[0], c.values[0], start, causal)
+            out, logits = self.head.step(toks, feats, positions, c.keys[0], c.values[0], start, start, None)  # causal
             c.commit_prefix(b - 1)
             self.back_feats, self.back_tokens = [], []
             self.node_row[0] = c.length
@@ -133,17 +131,17 @@ class EagleDrafter(TreeDrafter):
         w = len(frontier)
         pos = torch.as_tensor(c.length + tree.depths[frontier], device=dev)  # [w]
         start = c.reserve(pos)
-        mask = np.zeros((w, start + w), dtype=bool)  # built on the host, sent once
-        mask[:, : c.length] = True
+        base = c.length  # every node sees the committed rows; of the pending ones, its ancestors' and its own
+        attend = np.zeros((w, start - base + w), dtype=bool)  # built on the host, sent once
         for i, f in enumerate(frontier):
             a = tree.parents[f]
             while a >= 0:
-                mask[i, self.node_row[a]] = True
+                attend[i, self.node_row[a] - base] = True
                 a = tree.parents[a]
-            mask[i, start + i] = True
+            attend[i, start - base + i] = True
         feat = torch.stack([self.node_out[int(tree.parents[f])] for f in frontier])  # [w, D]
         out, logits = self.head.step(torch.as_tensor(tree.tokens[frontier], device=dev), feat, pos, c.keys[0], c.values[0], start,
-                                     torch.as_tensor(mask, device=dev))
+                                     base, torch.as_tensor(attend, device=dev))
         self.node_row[frontier] = start + np.arange(w)
         for i, f in enumerate(frontier):
             self.node_out[int(f)] = out[i]
