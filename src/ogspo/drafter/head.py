@@ -19,7 +19,7 @@ At decode time (`use_kernels`) the head's matmuls run on the target's measured k
 target's weight dtype (`HeadKernels`), not through torch's per-module linears; where that table runs
 the target's layer ops natively at the step's row count, so does the head (its norms, rotary embedding
 + cache write + tree attention and SwiGLU in a few C calls instead of ~60 torch ops: a draft level
-was ~1 ms of dispatch beside ~1.5 ms of weights on the 2-core Zen 3).
+was ~0.9 ms of dispatch beside ~1.5 ms of weights on the 2-core Zen 3).
 Training-time test (TTT): step j > 1 feeds the head its own step-(j-1) output at t-1 as the feature,
 attending the way a depth-j draft node does (committed rows up to t-j+1, then its own ancestors).
 """
