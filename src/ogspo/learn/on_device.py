@@ -76,11 +76,15 @@ def replay_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, 
     return {n: (float(a), float(b)) for n, a, b in zip(names, J, J_mine)}
 
 
+def fastest_first(J: Mapping[str, float]) -> dict[str, float]:
+    """Tokens/s by name, fastest first."""
+    return dict(sorted(J.items(), key=lambda x: -x[1]))
+
+
 def rank_static(records_dir: Path, latency: LatencyModel, trees: Mapping[str, Structure]) -> dict[str, float]:
     """Replayed tokens/s of every tree of `trees` inside the records' template, on one workload's
     records under `latency`, fastest first (a tree that leaves the template is left out)."""
-    J = {n: a for n, (a, _) in replay_static(records_dir, latency, trees).items()}
-    return dict(sorted(J.items(), key=lambda x: -x[1]))
+    return fastest_first({n: a for n, (a, _) in replay_static(records_dir, latency, trees).items()})
 
 
 def candidate_trees(own: TreePolicy, ranked: dict[str, float], all_static: dict[str, Structure],
@@ -168,7 +172,7 @@ def choose_on_device(*, target, drafter, policy_dir: Path, records_dirs: Mapping
                     else Structure([]) if isinstance(own, Autoregressive) else own.structure)
         replayed = replay_static(records_dirs[workload], latency, all_static | {OWN: own_tree},
                                  [f"{workload}/{pid}" for pid, _ in plist])
-        ranked = dict(sorted(((n, a) for n, (a, _) in replayed.items() if n != OWN), key=lambda x: -x[1]))
+        ranked = fastest_first({n: a for n, (a, _) in replayed.items() if n != OWN})
         own_J = {OWN: replayed[OWN][0]} if own.hook is None and OWN in replayed else {}
         cands = candidate_trees(own, ranked, all_static, candidates)
         policies = {n: own if n == OWN else _static(p, n) for n, p in cands.items()}
